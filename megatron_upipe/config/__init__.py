@@ -1,0 +1,13 @@
+"""The typed configuration tree of pretrain_llama.py (no torch or megatron-core imports).
+
+  schema    one frozen dataclass per section (model, parallel, train, data, checkpoint, log, dist, memory)
+  loader    defaults < YAML file < section.key=value overrides, with type checks and did-you-mean errors
+  validate  the cross-section checks against the world size, and the derived Plan
+"""
+
+from .fieldtypes import ConfigError
+from .loader import load_config, to_yaml
+from .schema import Config
+from .validate import Plan, check_paths, validate
+
+__all__ = ["Config", "ConfigError", "Plan", "check_paths", "load_config", "to_yaml", "validate"]

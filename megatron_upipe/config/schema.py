@@ -1,0 +1,260 @@
+"""The typed configuration tree of pretrain_llama.py: one frozen dataclass per section.
+
+Precedence: these defaults < the YAML file < `section.key=value` command-line overrides (see loader.py).
+Each section checks its own fields in `__post_init__` (types, ranges, choices, rules inside the section) and
+never rewrites what the user asked for; values that follow from several sections and the world size (dp, the
+resolved UPipe stage size, the number of micro-batches, ...) are derived in validate.py into a separate `Plan`.
+This module imports neither torch nor megatron-core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_type_hints
+
+from megatron_upipe.models.presets import PRESETS, LlamaArch, get_preset
+
+from .fieldtypes import ConfigError, coerce, matches, type_name
+
+CpStrategy = Literal["none", "ulysses", "upipe", "p2p", "a2a", "a2a+p2p"]
+TE_CP_STRATEGIES = ("p2p", "a2a", "a2a+p2p")  # megatron-core's cp_comm_type values, implemented inside TE
+
+
+def _check_section(obj: object, rules: list[tuple[bool, str]]) -> None:
+    """Type-check every field of a section, then apply its (bad, message) rules; raise all problems at once."""
+    name = obj.section  # type: ignore[attr-defined]
+    hints = get_type_hints(type(obj))
+    problems = []
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if not matches(value, hints[f.name]):
+            try:  # reuse the loader's message (with its did-you-mean hint)
+                coerce(value, hints[f.name], f"{name}.{f.name}")
+                problems.append(f"{name}.{f.name}={value!r}: expected {type_name(hints[f.name])}")
+            except ConfigError as e:
+                problems.append(str(e))
+    if problems:  # range rules assume correct types
+        raise ConfigError("\n".join(problems))
+    problems = [msg for bad, msg in rules if bad]
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _positive(obj: object, *names: str) -> list[tuple[bool, str]]:
+    sec = obj.section  # type: ignore[attr-defined]
+    return [
+        (isinstance(v, (int, float)) and v <= 0, f"{sec}.{n}={v} must be positive")
+        for n in names
+        for v in [getattr(obj, n)]
+        if v is not None
+    ]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    section: ClassVar[str] = "model"
+    preset: str = "tiny"  # a name from megatron_upipe.models.presets
+    # Overrides of the preset's shape; null = the preset's value.
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None  # KV heads
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None  # head dim
+    rotary_base: float | None = None
+    norm_epsilon: float | None = None
+    max_position_embeddings: int | None = None
+    vocab_size: int | None = None  # null = the tokenizer's (else the preset's)
+    make_vocab_size_divisible_by: int = 128  # the embedding is padded to a multiple of this x tp
+    init_method_std: float = 0.02
+    # Local attention kernel: auto, or a name from megatron_upipe/attention/kernels.py KERNELS.
+    attention_kernel: Literal["auto", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "cpu_flash"] = "auto"
+
+    OVERRIDES: ClassVar[tuple[str, ...]] = (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+        "kv_channels", "rotary_base", "norm_epsilon", "max_position_embeddings",
+    )
+
+    def __post_init__(self) -> None:
+        _check_section(self, [
+            (self.preset not in PRESETS, f"model.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}"),
+            *_positive(self, *self.OVERRIDES, "vocab_size", "make_vocab_size_divisible_by", "init_method_std"),
+        ])
+        self.arch()  # the overridden shape must be a consistent Llama block
+
+    def arch(self) -> LlamaArch:
+        """The preset with this section's overrides applied (vocab_size stays the preset's; see Plan.vocab)."""
+        changes = {k: getattr(self, k) for k in self.OVERRIDES if getattr(self, k) is not None}
+        try:
+            return get_preset(self.preset).replace(**changes)
+        except ValueError as e:
+            raise ConfigError(f"model (preset {self.preset!r} with overrides {changes}): {e}") from None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    section: ClassVar[str] = "parallel"
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    cp: int = 1  # context parallel
+    dp: int | None = None  # data parallel; null = world_size / (tp*pp*cp), else it must equal that
+    cp_strategy: CpStrategy = "none"  # none | ulysses | upipe | TE's p2p, a2a, a2a+p2p
+    upipe_heads_per_stage: int | None = None  # U, summed over the cp ranks; null = the smallest legal value
+    sequence_parallel: bool = False  # megatron sequence parallelism inside the TP group (needs tp > 1)
+
+    def __post_init__(self) -> None:
+        _check_section(self, [
+            *_positive(self, "tp", "pp", "cp", "dp", "upipe_heads_per_stage"),
+            (self.cp > 1 and self.cp_strategy == "none",
+             f"parallel.cp={self.cp} needs a context-parallel algorithm: set parallel.cp_strategy to upipe "
+             f"(or ulysses, p2p, a2a, a2a+p2p), or parallel.cp=1"),
+            (self.cp == 1 and self.cp_strategy not in ("none", "upipe"),
+             f"parallel.cp_strategy={self.cp_strategy} does nothing with parallel.cp=1: set parallel.cp > 1 or "
+             f"parallel.cp_strategy=none (upipe with cp=1 is allowed: head stages still cut attention memory)"),
+            (self.upipe_heads_per_stage is not None and self.cp_strategy != "upipe",
+             f"parallel.upipe_heads_per_stage={self.upipe_heads_per_stage} is only used by "
+             f"parallel.cp_strategy=upipe (got {self.cp_strategy}): remove it or set cp_strategy=upipe"),
+            # Refused rather than silently switched off (megatron-LM's habit): tp=1 has nothing to shard.
+            (self.sequence_parallel and self.tp == 1,
+             "parallel.sequence_parallel=true needs parallel.tp > 1 (it shards activations over the TP group): "
+             "set parallel.sequence_parallel=false or parallel.tp > 1"),
+        ])
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    section: ClassVar[str] = "train"
+    seq_length: int = 4096  # global tokens per sequence (before the cp split)
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # null = micro_batch_size x dp (no gradient accumulation)
+    steps: int = 1000
+    lr: float = 3.0e-4
+    min_lr: float = 3.0e-5
+    warmup_steps: int = 100
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_decay_steps: int | None = None  # null = steps
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0  # max global grad norm; 0 = no clipping
+    bf16: bool | Literal["auto"] = "auto"  # auto = bf16 where the device supports it, else fp32
+    seed: int = 1234
+    eval_interval: int = 1000  # steps between evaluations; 0 = never
+    eval_iters: int = 10
+    nan_policy: Literal["stop", "skip"] = "stop"  # on a non-finite loss/grad: stop the run or skip the step
+    distributed_optimizer: bool = False  # shard optimizer state over dp x cp (ZeRO-1)
+
+    def __post_init__(self) -> None:
+        decay = self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
+        _check_section(self, [
+            *_positive(self, "seq_length", "micro_batch_size", "global_batch_size", "steps", "lr", "lr_decay_steps",
+                       "adam_eps", "eval_iters"),
+            (self.seed < 0, f"train.seed={self.seed} must be >= 0"),
+            (not 0 <= self.min_lr <= self.lr,
+             f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]: lower train.min_lr"),
+            (self.warmup_steps < 0, f"train.warmup_steps={self.warmup_steps} must be >= 0"),
+            (self.warmup_steps > decay,
+             f"train.warmup_steps={self.warmup_steps} exceeds the decay horizon {decay} (train.lr_decay_steps, "
+             f"else train.steps): lower train.warmup_steps"),
+            (self.weight_decay < 0, f"train.weight_decay={self.weight_decay} must be >= 0"),
+            (not 0 <= self.adam_beta1 < 1, f"train.adam_beta1={self.adam_beta1} must be in [0, 1)"),
+            (not 0 <= self.adam_beta2 < 1, f"train.adam_beta2={self.adam_beta2} must be in [0, 1)"),
+            (self.clip_grad < 0, f"train.clip_grad={self.clip_grad} must be >= 0 (0 = no clipping)"),
+            (self.eval_interval < 0, f"train.eval_interval={self.eval_interval} must be >= 0 (0 = never)"),
+        ])
+
+    @property
+    def decay_steps(self) -> int:
+        return self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    section: ClassVar[str] = "data"
+    path: str = "mock"  # preprocessed dataset prefix (<path>.bin/.idx), or mock for synthetic tokens
+    tokenizer: str | None = None  # local HF tokenizer dir or tokenizer.json; null only with mock data
+    split: list[float] = field(default_factory=lambda: [969.0, 30.0, 1.0])  # train, valid, test weights
+    num_workers: int = 2
+
+    def __post_init__(self) -> None:
+        _check_section(self, [
+            (self.path == "", "data.path is empty: give a preprocessed dataset prefix or mock"),
+            (len(self.split) != 3 or any(w < 0 for w in self.split) or sum(self.split) <= 0,
+             f"data.split={self.split} must be three non-negative weights (train, valid, test), not all zero"),
+            (self.num_workers < 0, f"data.num_workers={self.num_workers} must be >= 0"),
+        ])
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    section: ClassVar[str] = "checkpoint"
+    dir: str | None = None  # where checkpoints are saved (and resumed from)
+    interval: int = 0  # steps between saves; 0 = never
+    load: str | None = None  # initialise from this checkpoint when not resuming
+    resume: bool | Literal["auto"] = "auto"  # auto = resume from dir if it holds a checkpoint; true = must
+    keep_last: int | None = None  # keep only the newest N checkpoints; null = keep all
+
+    def __post_init__(self) -> None:
+        _check_section(self, [
+            (self.interval < 0, f"checkpoint.interval={self.interval} must be >= 0 (0 = never save)"),
+            (self.interval > 0 and self.dir is None,
+             f"checkpoint.interval={self.interval} saves checkpoints but checkpoint.dir is null: set checkpoint.dir"),
+            (self.resume is True and self.dir is None, "checkpoint.resume=true needs checkpoint.dir"),
+            *_positive(self, "keep_last"),
+        ])
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    section: ClassVar[str] = "log"
+    interval: int = 10  # steps between log lines
+    metrics_file: str | None = None  # JSON lines, one per logged step (rank 0)
+    tensorboard_dir: str | None = None
+    wandb: bool = False
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "megatron_upipe"
+    wandb_run_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_section(self, _positive(self, "interval"))
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    section: ClassVar[str] = "dist"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto = nccl with CUDA, else gloo
+    timeout_s: int = 600  # collective timeout: a failed or hung rank ends the job after this long
+
+    def __post_init__(self) -> None:
+        _check_section(self, _positive(self, "timeout_s"))
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    section: ClassVar[str] = "memory"
+    recompute: Literal["none", "selective", "full"] = "none"  # megatron-core activation recompute granularity
+    expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA init)
+
+    def __post_init__(self) -> None:
+        _check_section(self, [])
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]

@@ -1,0 +1,217 @@
+"""Cross-section checks of a Config against the world size, and the values derived from them (a Plan).
+
+`validate(config, world_size)` is a pure function of its arguments (plus which optional packages are importable),
+so every rank reaches the same verdict before any allocation or communication. It reports every problem at
+once, each naming the setting(s) and the fix. It never changes the Config: derived values go into the Plan.
+`check_paths(config)` separately checks that the files the config names exist (run at start-up and by --dry-run,
+not by the shipped-config tests, which have no data).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_upipe.models.presets import LlamaArch
+
+from .fieldtypes import ConfigError
+from .schema import TE_CP_STRATEGIES, Config
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What follows from the config and the world size; the config itself stays as the user wrote it."""
+
+    world_size: int
+    dp: int
+    global_batch_size: int
+    num_microbatches: int  # gradient-accumulation steps per optimizer step
+    arch: LlamaArch  # the preset with model.* overrides
+    vocab_size: int | None  # None: the tokenizer's, known once it is loaded
+    local_heads: int  # query heads per TP rank
+    local_kv_heads: int  # KV heads per TP rank
+    heads_per_stage: int | None  # UPipe U (resolved from parallel.upipe_heads_per_stage), else None
+    seq_length: int
+    seq_per_cp_rank: int
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def upipe_stages(self) -> int | None:
+        return None if self.heads_per_stage is None else self.local_heads // self.heads_per_stage
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_length
+
+    def summary(self) -> str:
+        a = self.arch
+        lines = [
+            f"world {self.world_size} = dp {self.dp} x (tp·pp·cp {self.world_size // self.dp})",
+            f"model: L{a.num_layers} D{a.hidden_size} H{a.num_attention_heads}/kv{a.num_query_groups} d{a.kv_channels}"
+            f" ffn{a.ffn_hidden_size}, vocab {self.vocab_size or 'from tokenizer'}",
+            f"heads per TP rank: {self.local_heads} q / {self.local_kv_heads} kv",
+            f"global batch {self.global_batch_size} = micro-batch {self.global_batch_size // (self.dp * self.num_microbatches)}"
+            f" x dp {self.dp} x {self.num_microbatches} accumulation step(s)",
+            f"tokens per step {self.tokens_per_step}, per CP rank per sequence {self.seq_per_cp_rank}",
+        ]
+        if self.heads_per_stage is not None:
+            lines.append(f"upipe: {self.heads_per_stage} heads per stage (over the cp ranks), {self.upipe_stages} stages")
+        return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# UPipe / Ulysses head legality: the single call site of megatron_upipe/attention/schedule.py.
+# The fallback (the simple rules of docs/upipe.md) only runs while that module is absent; remove it once
+# schedule.py is committed.
+# ------------------------------------------------------------------------------------------------------------
+def resolve_heads_per_stage(num_heads: int, num_kv_heads: int, cp: int, requested: int | None) -> int:
+    """U for these TP-local head counts (requested, or the smallest legal); ValueError says why not."""
+    try:
+        from megatron_upipe.attention import schedule
+    except ModuleNotFoundError as e:
+        if e.name not in ("megatron_upipe.attention", "megatron_upipe.attention.schedule"):
+            raise
+        schedule = None
+    if schedule is not None:
+        return schedule.make_schedule(num_heads, num_kv_heads, cp, requested).heads_per_stage
+    if num_heads % cp:
+        raise ValueError(f"num_heads={num_heads} is not divisible by the cp size {cp}")
+    if num_kv_heads % cp and cp % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} can neither be split over nor replicated to {cp} CP ranks")
+    legal = [u for u in range(cp, num_heads + 1, cp) if num_heads % u == 0]
+    if requested is not None and requested not in legal:
+        raise ValueError(f"heads_per_stage={requested} must be a multiple of cp={cp} dividing {num_heads}; legal: {legal}")
+    return requested if requested is not None else legal[0]
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _seq_multiple(config: Config) -> int:
+    p = config.parallel
+    m = p.cp * (p.tp if p.sequence_parallel else 1)  # tokens split over cp, then over tp under SP
+    return math.lcm(m, 2 * p.cp) if p.cp > 1 else m  # megatron-core's load-balanced causal split: 2·cp chunks
+
+
+def validate(config: Config, world_size: int) -> Plan:
+    """Every cross-section inconsistency, refused with one ConfigError; else the derived Plan."""
+    p, t, m, d = config.parallel, config.train, config.model, config.data
+    arch = m.arch()
+    H, G = arch.num_attention_heads, arch.num_query_groups
+    errors: list[str] = []
+    warnings: list[str] = []
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size {world_size!r} must be a positive integer (WORLD_SIZE or --world-size)")
+
+    # world size = dp · tp · pp · cp
+    dp = 0
+    if world_size % p.model_parallel_size:
+        errors.append(f"world size {world_size} is not divisible by parallel.tp·pp·cp = {p.tp}·{p.pp}·{p.cp} = "
+                      f"{p.model_parallel_size}: change tp/pp/cp or the number of processes")
+    else:
+        dp = world_size // p.model_parallel_size
+        if p.dp is not None and p.dp != dp:
+            errors.append(f"parallel.dp={p.dp} but world size {world_size} / (tp·pp·cp = {p.model_parallel_size}) "
+                          f"= {dp}: set parallel.dp={dp} or null (derived), or change the world size")
+
+    # heads vs tp and cp
+    local_h, local_g = H // p.tp, G // p.tp
+    if H % p.tp:
+        errors.append(f"model.num_attention_heads={H} is not divisible by parallel.tp={p.tp}: choose tp dividing {H}")
+    if G % p.tp:
+        errors.append(f"model.num_query_groups={G} (KV heads) is not divisible by parallel.tp={p.tp}: choose tp "
+                      f"dividing {G}")
+    U = None
+    if not (H % p.tp or G % p.tp) and p.cp_strategy in ("ulysses", "upipe", "a2a"):
+        requested = p.upipe_heads_per_stage if p.cp_strategy == "upipe" else local_h
+        try:
+            U = resolve_heads_per_stage(local_h, local_g, p.cp, requested)
+        except ValueError as e:
+            key = "parallel.upipe_heads_per_stage" if p.upipe_heads_per_stage is not None else "parallel.cp"
+            errors.append(f"{key}: parallel.cp_strategy={p.cp_strategy} with {local_h} query / {local_g} KV heads "
+                          f"per TP rank (tp={p.tp}) and cp={p.cp}: {e}")
+        U = U if p.cp_strategy == "upipe" else None
+
+    # context-parallel implementation available
+    if p.cp_strategy in TE_CP_STRATEGIES:
+        if not _importable("transformer_engine"):
+            errors.append(f"parallel.cp_strategy={p.cp_strategy} runs inside TransformerEngine, which is not "
+                          f"importable: install transformer-engine[pytorch] or use cp_strategy=upipe/ulysses")
+        if config.dist.backend == "gloo":
+            errors.append(f"parallel.cp_strategy={p.cp_strategy} (TransformerEngine) needs CUDA and NCCL: set "
+                          f"dist.backend=nccl/auto or cp_strategy=upipe/ulysses")
+    if m.attention_kernel == "flash_attn" and not _importable("flash_attn"):
+        errors.append("model.attention_kernel=flash_attn but the flash-attn package is not importable: install it "
+                      "or set model.attention_kernel=auto")
+
+    # sequence length vs cp (and tp under sequence parallel)
+    multiple = _seq_multiple(config)
+    if t.seq_length % multiple:
+        why = "2·cp load-balanced chunks" if p.cp > 1 else "cp"
+        why += ", times tp under sequence parallel" if p.sequence_parallel else ""
+        errors.append(f"train.seq_length={t.seq_length} must be a multiple of {multiple} ({why}): e.g. "
+                      f"{max(multiple, t.seq_length // multiple * multiple)}")
+
+    # batch sizes
+    gbs, n_micro = t.global_batch_size, 0
+    if dp:
+        per_step = t.micro_batch_size * dp
+        gbs = gbs if gbs is not None else per_step
+        if gbs % per_step:
+            errors.append(f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size·dp = "
+                          f"{t.micro_batch_size}·{dp} = {per_step}: use a multiple of {per_step}")
+        n_micro = gbs // per_step
+
+    # pipeline
+    if arch.num_layers % p.pp:
+        errors.append(f"parallel.pp={p.pp} must divide model.num_layers={arch.num_layers} (equal stages): choose "
+                      f"pp from {[k for k in range(1, arch.num_layers + 1) if arch.num_layers % k == 0]}")
+    elif p.pp > 1 and 0 < n_micro < p.pp:
+        warnings.append(f"parallel.pp={p.pp} with only {n_micro} micro-batch(es) per step leaves the pipeline "
+                        f"mostly idle: raise train.global_batch_size")
+
+    # vocabulary and data
+    vocab = m.vocab_size if m.vocab_size is not None else (None if d.tokenizer else arch.vocab_size)
+    if vocab is None and d.tokenizer is None:
+        errors.append(f"the vocabulary size is unknown: model.preset={m.preset} has none and data.tokenizer is "
+                      f"null; set model.vocab_size or data.tokenizer")
+    if d.path != "mock" and d.tokenizer is None:
+        errors.append(f"data.path={d.path} is a tokenized dataset: set data.tokenizer to the tokenizer that made it")
+    if t.eval_interval > 0 and d.path != "mock" and d.split[1] == 0:
+        errors.append(f"train.eval_interval={t.eval_interval} but data.split={d.split} leaves no validation data: "
+                      f"give the second weight a share, or set train.eval_interval=0")
+
+    # checkpoints and logging
+    if config.checkpoint.interval > t.steps:
+        warnings.append(f"checkpoint.interval={config.checkpoint.interval} > train.steps={t.steps}: no periodic "
+                        f"checkpoint will be written")
+    if config.log.wandb and not _importable("wandb"):
+        errors.append("log.wandb=true but wandb is not importable: pip install wandb, or set log.wandb=false")
+    if config.log.tensorboard_dir is not None and not _importable("tensorboard"):
+        errors.append("log.tensorboard_dir is set but tensorboard is not importable: install it or set it to null")
+
+    if errors:
+        raise ConfigError(f"{len(errors)} problem(s) with this configuration at world size {world_size}:\n- "
+                          + "\n- ".join(errors))
+    return Plan(world_size, dp, gbs, n_micro, arch, vocab, local_h, local_g, U, t.seq_length,
+                t.seq_length // p.cp, tuple(warnings))
+
+
+def check_paths(config: Config) -> None:
+    """The files the config reads must exist (checked at start-up, identically on every rank of a shared FS)."""
+    missing = []
+    d, c = config.data, config.checkpoint
+    if d.path != "mock":
+        missing += [f"data.path: {d.path}{ext}" for ext in (".bin", ".idx") if not Path(d.path + ext).is_file()]
+    if d.tokenizer is not None and not Path(d.tokenizer).exists():
+        missing.append(f"data.tokenizer: {d.tokenizer}")
+    if c.load is not None and not Path(c.load).exists():
+        missing.append(f"checkpoint.load: {c.load}")
+    if c.resume is True and c.dir is not None and not Path(c.dir).is_dir():
+        missing.append(f"checkpoint.dir: {c.dir} (checkpoint.resume=true needs an existing checkpoint)")
+    if missing:
+        raise ConfigError("missing files or directories:\n- " + "\n- ".join(missing)
+                          + "\n(mock data needs none: data.path=mock data.tokenizer=null model.vocab_size=N)")
