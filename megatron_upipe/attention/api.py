@@ -1,0 +1,146 @@
+"""Public functional API of the attention package: argument checks, then UPipe or the Ulysses baseline.
+
+Every check runs before any communication and depends only on arguments every rank shares (shapes, head
+counts, the group size), so a bad call raises the same ValueError on every rank instead of hanging a collective.
+
+Legend: s local tokens (rank r of cp_group holds global tokens [r·s, (r+1)·s)), N = C·s, b batch, D model dim,
+H query heads, G KV heads, g = H / G, d head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .comm import group_size
+from .kernels import select_kernel
+from .rope import rope_cos_sin
+from .schedule import make_schedule
+from .ulysses import ulysses_forward
+from .upipe import StageOp, UPipeFunction
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"x must be [s, b, D] (sequence first); got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"x has dtype {x.dtype}; use float16, bfloat16, float32 or float64")
+    s, _, D = x.shape
+    if w_q.dim() != 4 or w_k.dim() != 3 or w_v.dim() != 3:
+        raise ValueError(
+            f"grouped weights must be w_q [G, g, d, D], w_k/w_v [G, d, D]; got {tuple(w_q.shape)}, "
+            f"{tuple(w_k.shape)}, {tuple(w_v.shape)}"
+        )
+    G, _, d, Dq = w_q.shape
+    if Dq != D or w_k.shape != (G, d, D) or w_v.shape != (G, d, D):
+        raise ValueError(
+            f"weight shapes do not match x [s, b, D={D}] and w_q [G={G}, g, d={d}, D]: w_q {tuple(w_q.shape)}, "
+            f"w_k {tuple(w_k.shape)}, w_v {tuple(w_v.shape)}; w_k and w_v must be [{G}, {d}, {D}]"
+        )
+    for name, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v)):
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"{name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; cast one of them")
+    if rotary_pos_emb is not None:
+        N = s * C
+        if rotary_pos_emb.shape[0] != N or rotary_pos_emb.dim() != 4:
+            raise ValueError(
+                f"rotary_pos_emb must be [N, 1, 1, rot_dim] for all N = {C} ranks x {s} local tokens = {N} global "
+                f"positions (megatron-core RotaryEmbedding output, not sliced per CP rank); got "
+                f"{tuple(rotary_pos_emb.shape)}. If the global sequence length is not a multiple of the cp size, "
+                f"pad it or change the cp size"
+            )
+        rot = rotary_pos_emb.shape[-1]
+        if rot % 2 or rot > d:
+            raise ValueError(f"rotary_pos_emb has rot_dim={rot}; it must be even and at most the head dim {d}")
+
+
+def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
+             all_heads: bool = False):
+    C = group_size(cp_group)
+    _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C)
+    G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
+    schedule = make_schedule(G * g, G, C, G * g if all_heads else heads_per_stage)
+    chosen = select_kernel(x.device, x.dtype, d, kernel)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    op = StageOp(schedule, cp_group, rank, chosen, causal, scale)
+    rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)
+    return op, rope
+
+
+def upipe_attention_grouped(
+    x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
+    kernel: str | None = None,
+):
+    """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
+
+    This is the layout of megatron-core's fused `linear_qkv.weight.view(G, g + 2, d, D)` sliced into q, k, v
+    (views, no copy). See `upipe_attention` for the other arguments.
+    """
+    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel)
+    cos, sin = rope if rope is not None else (None, None)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, cos, sin, op)
+
+
+def ulysses_attention_grouped(
+    x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
+):
+    """Plain Ulysses with grouped weights (see `upipe_attention_grouped`)."""
+    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, all_heads=True)
+    return ulysses_forward(x, w_q, w_k, w_v, rope, op)
+
+
+def _group_weights(x, w_q, w_k, w_v, num_heads: int, num_kv_heads: int):
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}; fix the head counts"
+        )
+    D = x.shape[-1]
+    if w_q.dim() != 2 or w_q.shape[0] % num_heads or w_q.shape[1] != D:
+        raise ValueError(f"w_q must be [num_heads*d, D] = [{num_heads}*d, {D}]; got {tuple(w_q.shape)}")
+    d = w_q.shape[0] // num_heads
+    if w_k.shape != (num_kv_heads * d, D) or w_v.shape != (num_kv_heads * d, D):
+        raise ValueError(
+            f"w_k and w_v must be [num_kv_heads*d, D] = [{num_kv_heads * d}, {D}] (d={d} from w_q); got "
+            f"{tuple(w_k.shape)} and {tuple(w_v.shape)}"
+        )
+    g = num_heads // num_kv_heads
+    return w_q.reshape(num_kv_heads, g, d, D), w_k.reshape(num_kv_heads, d, D), w_v.reshape(num_kv_heads, d, D)
+
+
+def upipe_attention(
+    x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True,
+    softmax_scale=None, kernel: str | None = None,
+):
+    """UPipe attention of this rank's tokens.
+
+    x [s, b, D]: this rank's shard (rank r of cp_group holds global tokens [r·s, (r+1)·s)).
+    w_q [H·d, D], w_k, w_v [G·d, D]: natural head order (head i = rows i·d:(i+1)·d); query head i uses KV head
+    i // (H / G). heads_per_stage: U summed over the C ranks (None: the smallest legal value; U = H is Ulysses).
+    rotary_pos_emb [N, 1, 1, rot_dim]: angles of all N global positions (megatron-core RotaryEmbedding format);
+    each rank applies its own positions. softmax_scale defaults to 1/sqrt(d). kernel: a name from
+    `kernels.KERNELS` or None for automatic choice.
+    Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
+    Differentiable with respect to x, w_q, w_k and w_v.
+    """
+    gq, gk, gv = _group_weights(x, w_q, w_k, w_v, num_heads, num_kv_heads)
+    return upipe_attention_grouped(
+        x, gq, gk, gv, cp_group=cp_group, heads_per_stage=heads_per_stage, rotary_pos_emb=rotary_pos_emb,
+        causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+    )
+
+
+def ulysses_attention(
+    x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None,
+    kernel: str | None = None,
+):
+    """Plain Ulysses baseline; same arguments and result as `upipe_attention` without heads_per_stage."""
+    gq, gk, gv = _group_weights(x, w_q, w_k, w_v, num_heads, num_kv_heads)
+    return ulysses_attention_grouped(
+        x, gq, gk, gv, cp_group=cp_group, rotary_pos_emb=rotary_pos_emb, causal=causal, softmax_scale=softmax_scale,
+        kernel=kernel,
+    )

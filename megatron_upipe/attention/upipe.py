@@ -1,0 +1,216 @@
+"""UPipe: Ulysses attention processed in stages of heads, with a memory-lean exact backward.
+
+Legend (sequence first, as in megatron-core): s local tokens, N = C·s global tokens, b micro-batch, D model dim,
+H query heads, G = H_kv KV heads, g = H / G, d head dim, U heads per stage over the C ranks, m = U / C per rank,
+n_kv resident KV heads per rank in one KV round (see schedule.py).
+
+Forward, per stage: project the stage's U query heads from x with gathered rows of W_Q ([s·b, U·d]), rotate them
+straight into the all-to-all send buffer [C, s, b, m, d], all-to-all to [N, b, m, d], run the local attention
+kernel (keeping its lse), all-to-all the output back to [C, s, b, m, d] and copy it into the stage's head slots of
+the output buffer [s, b, H·d] (natural head order). K/V are projected and communicated only at the first stage of
+a KV round and stay resident for the round. Only one stage's buffers are alive at a time.
+
+Backward, saving only x, the weights, the output buffer and per-stage lse: per round recompute K/V, per stage
+recompute q, all-to-all the stage's slices of out and dout into head layout, call the kernel's backward (no
+attention forward recompute), all-to-all dq back, undo RoPE, and accumulate dx and the weight-row gradients;
+dK/dV accumulate over the round's stages (in float32 for 16-bit inputs) and go back once per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import head_to_seq, seq_to_head
+from .kernels import AttentionKernel, kernel_backward, kernel_forward
+from .rope import rotate_into
+from .schedule import UPipeSchedule
+
+
+@dataclass(frozen=True)
+class StageOp:
+    """Everything the stage loop needs besides tensors (all validated by the caller)."""
+
+    schedule: UPipeSchedule
+    group: dist.ProcessGroup | None
+    rank: int  # this rank's index in `group`
+    kernel: AttentionKernel
+    causal: bool
+    scale: float
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _project_to_heads(x2, w_rows, rope, s, b, C, h, op: StageOp) -> torch.Tensor:
+    """x2 [s·b, D] @ w_rows [C·h, d, D]^T -> RoPE -> all-to-all -> [N, b, h, d] (this rank's h heads)."""
+    d = w_rows.shape[1]
+    proj = torch.mm(x2, w_rows.view(C * h * d, -1).t())  # [s·b, C·h·d]
+    src = proj.view(s, b, C, h, d)  # [s, b, C, h, d]
+    send = torch.empty((C, s, b, h, d), dtype=x2.dtype, device=x2.device)  # [C, s, b, h, d]
+    dst = send.permute(1, 2, 0, 3, 4)  # [s, b, C, h, d] view of the send buffer
+    if rope is None:
+        dst.copy_(src)
+    else:
+        rotate_into(src, rope[0], rope[1], dst)
+    del proj, src, dst
+    return seq_to_head(send, op.group)  # [N, b, h, d]
+
+
+def _heads_to_rows(g_head, rope, s, b, op: StageOp) -> torch.Tensor:
+    """Gradient in head layout [N, b, h, d] -> all-to-all -> inverse RoPE -> [s·b, C·h·d] (rank-major heads)."""
+    recv = head_to_seq(g_head, op.group)  # [C, s, b, h, d]
+    C, h, d = recv.shape[0], recv.shape[3], recv.shape[4]
+    src = recv.permute(1, 2, 0, 3, 4)  # [s, b, C, h, d] view
+    if rope is None:
+        rows = src.reshape(s * b, C * h * d)  # [s·b, C·h·d] (copy: src is permuted)
+    else:
+        rows = torch.empty((s, b, C, h, d), dtype=recv.dtype, device=recv.device)  # [s, b, C, h, d]
+        rotate_into(src, rope[0], rope[1], rows, inverse=True)
+        rows = rows.view(s * b, C * h * d)
+    return rows
+
+
+def _gather_heads(buf_shbd, heads: torch.Tensor, C: int) -> torch.Tensor:
+    """Stage slice of a [s, b, H, d] buffer -> send buffer [C, s, b, m, d] (heads rank-major)."""
+    s, b, _, d = buf_shbd.shape
+    m = heads.numel() // C
+    send = torch.empty((C, s, b, m, d), dtype=buf_shbd.dtype, device=buf_shbd.device)
+    for j in range(C):
+        torch.index_select(buf_shbd, 2, heads[j * m:(j + 1) * m], out=send[j])
+    return send
+
+
+def _round_rows(sched: UPipeSchedule, device):
+    """Index tensors per stage (q rows as (group, j)) and per round (KV head ids), rank-major."""
+    g = sched.group_size
+    stage_heads = [torch.tensor(st.q_heads, device=device) for st in sched.stages]
+    round_kv = [torch.tensor(kv, device=device) for kv in sched.round_kv_heads]
+    return stage_heads, [(h // g, h % g) for h in stage_heads], round_kv
+
+
+def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
+    """x [s, b, D]; w_q [G, g, d, D]; w_k, w_v [G, d, D]; rope = (cos, sin) [N, rot/2] or None.
+
+    Returns (out [s, b, H·d], lse list per stage).
+    """
+    sched = op.schedule
+    s, b, D = x.shape
+    C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
+    H, d = sched.num_heads, w_q.shape[2]
+    x2 = x.reshape(s * b, D)  # [s·b, D]
+    local_rope = None if rope is None else (rope[0][op.rank * s:(op.rank + 1) * s], rope[1][op.rank * s:(op.rank + 1) * s])
+    stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
+    out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
+    out_shbd = out.view(s, b, H, d)
+    lses, auxes = [], []
+    k_head = v_head = None
+    for st, heads, (gi, ji) in zip(sched.stages, stage_heads, stage_rows):
+        if st.new_round:
+            k_head = v_head = None  # free the previous round's K/V before projecting the next
+            kv = round_kv[st.round_index]
+            k_head = _project_to_heads(x2, w_k[kv], local_rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+            v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+        q_head = _project_to_heads(x2, w_q[gi, ji], local_rope, s, b, C, m, op)  # [N, b, m, d]
+        a0, a1 = st.kv_slots
+        o, lse, aux = kernel_forward(
+            op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
+            v_head[:, :, a0:a1].permute(1, 2, 0, 3), op.causal, op.scale,
+        )  # o [b, m, N, d]
+        del q_head
+        o_seq = head_to_seq(o.permute(2, 0, 1, 3), op.group)  # [N, b, m, d] -> [C, s, b, m, d]
+        del o
+        for j in range(C):
+            out_shbd.index_copy_(2, heads[j * m:(j + 1) * m], o_seq[j])
+        del o_seq
+        lses.append(lse)
+        auxes.append(aux)
+    return out, lses, auxes
+
+
+def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, rope, op: StageOp, needs_dw: bool = True):
+    """Gradients (dx [s, b, D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D]) given dout [s, b, H·d]."""
+    sched = op.schedule
+    s, b, D = x.shape
+    C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
+    H, d = sched.num_heads, w_q.shape[2]
+    dtype, acc = x.dtype, _acc_dtype(x.dtype)
+    x2 = x.reshape(s * b, D)  # [s·b, D]
+    local_rope = None if rope is None else (rope[0][op.rank * s:(op.rank + 1) * s], rope[1][op.rank * s:(op.rank + 1) * s])
+    stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
+    out_shbd = out.view(s, b, H, d)
+    dout_shbd = dout.contiguous().view(s, b, H, d)
+    dx = torch.zeros((s * b, D), dtype=acc, device=x.device)  # [s·b, D]
+    dw_q, dw_k, dw_v = (torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_q, w_k, w_v)) if needs_dw else (None,) * 3
+
+    def add_input_grad(rows, w_rows):  # dx += rows [s·b, R] @ w_rows [R, D]
+        if acc == dtype:
+            dx.addmm_(rows, w_rows)
+        else:
+            dx.add_(torch.mm(rows, w_rows))
+
+    def finish_round(kv, dk_acc, dv_acc):
+        for g_acc, w, dw, rot in ((dk_acc, w_k, dw_k, local_rope), (dv_acc, w_v, dw_v, None)):
+            rows = _heads_to_rows(g_acc.to(dtype), rot, s, b, op)  # [s·b, C·n_kv·d]
+            w_rows = w[kv].view(C * n_kv * d, D)
+            add_input_grad(rows, w_rows)
+            if needs_dw:
+                dw.index_add_(0, kv, torch.mm(rows.t(), x2).view(C * n_kv, d, D))  # replicas sum here
+
+    k_head = v_head = dk_acc = dv_acc = None
+    for idx, (st, heads, (gi, ji)) in enumerate(zip(sched.stages, stage_heads, stage_rows)):
+        kv = round_kv[st.round_index]
+        if st.new_round:
+            k_head = v_head = None
+            k_head = _project_to_heads(x2, w_k[kv], local_rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+            v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+            dk_acc = torch.zeros(k_head.shape, dtype=acc, device=x.device)  # [N, b, n_kv, d]
+            dv_acc = torch.zeros(v_head.shape, dtype=acc, device=x.device)
+        w_rows = w_q[gi, ji]  # [U, d, D]
+        q_head = _project_to_heads(x2, w_rows, local_rope, s, b, C, m, op)  # [N, b, m, d]
+        o_head = seq_to_head(_gather_heads(out_shbd, heads, C), op.group)  # [N, b, m, d]
+        do_head = seq_to_head(_gather_heads(dout_shbd, heads, C), op.group)  # [N, b, m, d]
+        a0, a1 = st.kv_slots
+        dq, dk, dv = kernel_backward(
+            op.kernel, do_head.permute(1, 2, 0, 3), q_head.permute(1, 2, 0, 3),
+            k_head[:, :, a0:a1].permute(1, 2, 0, 3), v_head[:, :, a0:a1].permute(1, 2, 0, 3),
+            o_head.permute(1, 2, 0, 3), lses[idx], auxes[idx], op.causal, op.scale,
+        )  # dq [b, m, N, d]; dk, dv [b, a1-a0, N, d]
+        del q_head, o_head, do_head
+        dk_acc[:, :, a0:a1] += dk.permute(2, 0, 1, 3)
+        dv_acc[:, :, a0:a1] += dv.permute(2, 0, 1, 3)
+        del dk, dv
+        rows = _heads_to_rows(dq.permute(2, 0, 1, 3), local_rope, s, b, op)  # [s·b, U·d]
+        del dq
+        add_input_grad(rows, w_rows.view(-1, D))
+        if needs_dw:
+            dw_q[gi, ji] = torch.mm(rows.t(), x2).view(-1, d, D)
+        del rows, w_rows
+        last_of_round = idx + 1 == len(sched.stages) or sched.stages[idx + 1].new_round
+        if last_of_round:
+            k_head = v_head = None
+            finish_round(kv, dk_acc, dv_acc)
+            dk_acc = dv_acc = None
+    return dx.view(s, b, D).to(dtype), dw_q, dw_k, dw_v
+
+
+class UPipeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_q, w_k, w_v, rope_cos, rope_sin, op: StageOp):
+        rope = None if rope_cos is None else (rope_cos, rope_sin)
+        out, lses, auxes = upipe_forward(x, w_q, w_k, w_v, rope, op)
+        ctx.save_for_backward(x, w_q, w_k, w_v, out, rope_cos, rope_sin)
+        ctx.lses, ctx.auxes, ctx.op = lses, auxes, op
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w_q, w_k, w_v, out, rope_cos, rope_sin = ctx.saved_tensors
+        rope = None if rope_cos is None else (rope_cos, rope_sin)
+        needs_dw = any(ctx.needs_input_grad[1:4])
+        dx, dw_q, dw_k, dw_v = upipe_backward(dout, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, rope, ctx.op, needs_dw)
+        ctx.lses = ctx.auxes = None
+        return dx, dw_q, dw_k, dw_v, None, None, None
