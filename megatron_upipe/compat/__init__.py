@@ -1,0 +1,1 @@
+"""Adapters between megatron_upipe and its host stack: `cpu` (megatron-core without a GPU), `mcore` (version shims)."""

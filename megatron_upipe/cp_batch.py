@@ -1,0 +1,43 @@
+"""Cut a global batch into this context-parallel rank's share of every sequence.
+
+Legend: b batch, N global sequence length, C context-parallel size, r this rank's index in the CP group.
+
+Two splits, chosen by the layer spec (`CPPlan.sequence_split`), never by the strategy name:
+- "contiguous" (Ulysses, UPipe): rank r keeps tokens [r·N/C, (r+1)·N/C). Both strategies give every rank the
+  *full* sequence for its heads before attention, so causal work is balanced without reordering; the attention
+  op receives RoPE angles of all N positions and applies rank r's slice itself.
+- "zigzag" (TransformerEngine's p2p / a2a / a2a+p2p): the sequence is cut into 2C chunks and rank r keeps chunks
+  r and 2C-1-r (megatron-core's `get_batch_on_this_cp_rank`), which balances causal ring attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPLITS = ("contiguous", "zigzag")
+
+
+def split_sequence(t: torch.Tensor, split: str, cp_rank: int, cp_size: int, seq_dim: int = 1) -> torch.Tensor:
+    """[.., N, ..] -> [.., N/C, ..] along `seq_dim`: this rank's tokens under `split`."""
+    if split not in SPLITS:
+        raise ValueError(f"sequence split {split!r} is unknown; choose one of {SPLITS}")
+    if cp_size == 1:
+        return t
+    N = t.shape[seq_dim]
+    parts = cp_size if split == "contiguous" else 2 * cp_size
+    if N % parts:
+        raise ValueError(
+            f"sequence length {N} is not divisible by {parts} ({split} split over {cp_size} CP ranks); "
+            f"pad the sequence or change the CP size"
+        )
+    chunks = t.chunk(parts, dim=seq_dim)  # parts x [.., N/parts, ..]
+    if split == "contiguous":
+        return chunks[cp_rank]
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)  # [.., N/C, ..]
+
+
+def split_batch(batch: dict[str, torch.Tensor | None], split: str, cp_group) -> dict[str, torch.Tensor | None]:
+    """Apply `split_sequence` to every [b, N] tensor of a batch (tokens, labels, loss_mask, position_ids)."""
+    cp_size = cp_group.size() if cp_group is not None else 1
+    cp_rank = cp_group.rank() if cp_group is not None else 0
+    return {k: (None if v is None else split_sequence(v, split, cp_rank, cp_size, seq_dim=1)) for k, v in batch.items()}

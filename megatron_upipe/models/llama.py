@@ -1,0 +1,115 @@
+"""Build a Llama model (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings) on megatron-core's GPTModel.
+
+`llama_transformer_config(arch, layout, ...)` is the one translation of our model shape and parallel layout
+into megatron-core's `TransformerConfig`; `build_llama(...)` builds this pipeline stage's `GPTModel` from it with
+the layer spec chosen by `megatron_upipe.models.spec.build_cp_plan`. The vocabulary comes from the tokenizer and
+is padded to a multiple of lcm(128, tp) (TP-invariant for tp | 128); padded rows are zero after conversion from
+HF and their logits are ignored by `hf_convert`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_upipe.models.presets import LlamaArch
+from megatron_upipe.models.spec import CPPlan, build_cp_plan
+from megatron_upipe.parallel import ParallelLayout
+
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    step = math.lcm(multiple, tp)
+    return -(-vocab_size // step) * step
+
+
+def llama_transformer_config(
+    arch: LlamaArch, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32, init_method_std: float = 0.02,
+    recompute_granularity: str | None = None,
+) -> TransformerConfig:
+    """LlamaArch + ParallelLayout -> megatron-core TransformerConfig (no dropout, no biases, fused ops off on CPU)."""
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        kv_channels=arch.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=init_method_std,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        recompute_granularity=recompute_granularity,
+        recompute_method="uniform" if recompute_granularity == "full" else None,
+        recompute_num_layers=1 if recompute_granularity == "full" else None,
+    )
+
+
+@dataclass
+class LlamaStage:
+    """This rank's pipeline stage: the GPTModel chunk and the CP plan its inputs must follow."""
+
+    model: GPTModel
+    config: TransformerConfig
+    plan: CPPlan
+    vocab_size: int  # tokenizer's
+    padded_vocab_size: int
+
+
+def build_llama(
+    arch: LlamaArch, layout: ParallelLayout, pg_collection, *, vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None,
+) -> LlamaStage:
+    """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`."""
+    vocab = vocab_size if vocab_size is not None else arch.vocab_size
+    if vocab is None:
+        raise ValueError("vocab_size is unknown: pass the tokenizer's vocabulary size")
+    config = config if config is not None else llama_transformer_config(arch, layout, dtype=dtype)
+    pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
+    plan = build_cp_plan(config, layout, pp_rank=pp_rank)
+    padded = padded_vocab_size(vocab, layout.tp)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=plan.block_spec,
+        vocab_size=padded,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rotary_base,
+        pg_collection=pg_collection,
+    )
+    if plan.rope_full_sequence:
+        # The headwise CP ops take the angles of all N positions and slice their contiguous share themselves;
+        # RotaryEmbedding slices per CP rank (zigzag) only when it holds a CP group.
+        model.rotary_pos_emb.cp_group = None
+    return LlamaStage(model=model, config=config, plan=plan, vocab_size=vocab, padded_vocab_size=padded)

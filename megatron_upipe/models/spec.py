@@ -1,0 +1,107 @@
+"""The one place that maps `cp_strategy` to a megatron-core layer spec.
+
+| cp_strategy | self-attention                                              | sequence split | needs        |
+|-------------|-------------------------------------------------------------|----------------|--------------|
+| none        | megatron-core SelfAttention + local DotProductAttention     | (cp must be 1) | -            |
+| ulysses     | HeadwiseCPSelfAttention running plain Ulysses (baseline)    | contiguous     | -            |
+| upipe       | HeadwiseCPSelfAttention running UPipe (U heads per stage)   | contiguous     | -            |
+| p2p         | TE spec, TEDotProductAttention, cp_comm_type="p2p" (ring)   | zigzag         | TE + GPU     |
+| a2a         | TE spec, cp_comm_type="a2a" (TE's Ulysses)                  | zigzag         | TE + GPU     |
+| a2a+p2p     | TE spec, cp_comm_type="a2a+p2p" (hierarchical)              | zigzag         | TE + GPU     |
+
+Our strategies use megatron-core's local modules (ColumnParallelLinear, RowParallelLinear, MLP with SwiGLU) and our
+`RMSNorm` (sequence-parallel capable), so parameter names and checkpoints are the same for none/ulysses/upipe.
+The caller gets a `CPPlan`: the block spec plus the properties the rest of the stack must follow (how batches
+are split over CP ranks, whether RoPE angles are passed for the whole sequence); nothing else reads the name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_upipe.models.norm import RMSNorm
+from megatron_upipe.models.upipe_attention import AttentionInsideCPOp, HeadwiseCPSelfAttention, check_supported
+from megatron_upipe.parallel import ParallelLayout
+
+TE_STRATEGIES = ("p2p", "a2a", "a2a+p2p")
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    block_spec: TransformerBlockSubmodules  # the layers of this pipeline stage and the final norm
+    sequence_split: str  # "contiguous" or "zigzag": see megatron_upipe.cp_batch
+    rope_full_sequence: bool  # attention takes RoPE angles of all N positions (the model must not CP-slice them)
+
+
+def te_available() -> bool:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE) and torch.cuda.is_available()
+
+
+def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    return spec
+
+
+def _headwise_cp_layer_spec(config: TransformerConfig, cp_attention) -> ModuleSpec:
+    spec = _local_layer_spec(config)
+    attn = spec.submodules.self_attention
+    attn.module = HeadwiseCPSelfAttention
+    attn.params = {"attn_mask_type": AttnMaskType.causal, "cp_attention": cp_attention}
+    attn.submodules.core_attention = AttentionInsideCPOp
+    return spec
+
+
+def _te_layer_spec(strategy: str) -> tuple[ModuleSpec, type]:
+    if not te_available():
+        raise ValueError(
+            f"cp_strategy={strategy!r} is TransformerEngine's context parallelism and needs transformer_engine "
+            f"importable with a CUDA GPU; on this machine use cp_strategy='ulysses' or 'upipe'"
+        )
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.causal, "cp_comm_type": strategy}
+    return spec, TENorm
+
+
+def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: int = 0) -> CPPlan:
+    """Layer spec of pipeline stage `pp_rank` for `layout.cp_strategy` (the only reader of that field)."""
+    strategy = layout.cp_strategy
+    norm = RMSNorm
+    if strategy == "none":
+        if layout.cp > 1:
+            raise ValueError("cp_strategy='none' cannot run with cp > 1")
+        layer, split, full_rope = _local_layer_spec(config), "contiguous", False
+    elif strategy in ("ulysses", "upipe"):
+        from megatron_upipe.attention import ulysses_attention_grouped, upipe_attention_grouped
+
+        check_supported(config, layout.tp)
+        op = (
+            ulysses_attention_grouped
+            if strategy == "ulysses"
+            else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage)
+        )
+        layer, split, full_rope = _headwise_cp_layer_spec(config, op), "contiguous", True
+    elif strategy in TE_STRATEGIES:
+        (layer, norm), split, full_rope = _te_layer_spec(strategy), "zigzag", False
+    else:
+        raise ValueError(f"cp_strategy={strategy!r} is unknown")
+    if strategy != "upipe" and layout.upipe_heads_per_stage is not None:
+        raise ValueError(f"upipe_heads_per_stage is set but cp_strategy={strategy!r}; it only applies to 'upipe'")
+    num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
+    return CPPlan(block_spec=block, sequence_split=split, rope_full_sequence=full_rope)

@@ -1,0 +1,123 @@
+"""megatron-core self-attention whose forward runs a Ulysses-family context-parallel op (UPipe or Ulysses).
+
+Legend: s/C tokens of this CP rank (s/(C·t) under sequence parallelism), b batch, D hidden size, G query groups
+of this TP rank, g = query heads per group, d head dim, N global sequence length.
+
+`HeadwiseCPSelfAttention` keeps megatron-core's `linear_qkv` / `linear_proj` parameters, their initialisation
+and checkpoint layout. It never calls `linear_qkv`'s forward (that would project all heads at once and lose
+UPipe's memory saving): the op receives views of the fused weight, rows interleaved per query group as
+[q heads of the group, k, v], and projects only each stage's heads. Gradients flow back into
+`linear_qkv.weight` through the views. Which op (UPipe with its U, or plain Ulysses) is chosen by the layer
+spec (`megatron_upipe.models.spec`), which binds it into the `cp_attention` parameter.
+
+RoPE: the op needs the angles of all N positions ([N, 1, 1, rot_dim], not sliced per CP rank) and applies this
+rank's contiguous slice (rank r holds tokens [r·N/C, (r+1)·N/C), see `megatron_upipe.cp_batch`). The model
+builder turns off the CP slicing of megatron's RotaryEmbedding for these specs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class AttentionInsideCPOp(MegatronModule):
+    """Placeholder for `core_attention`: `Attention.__init__` always builds one, and megatron's local
+    `DotProductAttention` refuses CP > 1. Attention itself runs inside the CP op; calling this is a bug."""
+
+    def __init__(self, config: TransformerConfig, **kwargs) -> None:
+        super().__init__(config=config)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("core attention runs inside the context-parallel op of HeadwiseCPSelfAttention")
+
+
+def check_supported(config: TransformerConfig, tp_size: int) -> None:
+    """Clear errors for configurations the headwise CP attention does not implement."""
+    if config.add_qkv_bias or config.add_bias_linear:
+        raise ValueError("UPipe/Ulysses attention has no QKV bias: set add_qkv_bias=False and add_bias_linear=False")
+    if config.num_query_groups % tp_size:
+        raise ValueError(
+            f"num_query_groups={config.num_query_groups} is not a multiple of tp={tp_size}: UPipe/Ulysses need "
+            f"whole query groups on each tensor-parallel rank; lower tp or use a model with more KV heads"
+        )
+    if config.qk_layernorm or config.qk_l2_norm or config.attention_output_gate:
+        raise ValueError("UPipe/Ulysses attention supports neither QK norms nor an attention output gate")
+
+
+class HeadwiseCPSelfAttention(SelfAttention):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        pp_layer_offset: int | None = None,
+        name: str | None = None,
+        *,
+        cp_attention: Callable[..., torch.Tensor],
+    ) -> None:
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"UPipe/Ulysses attention is causal only; got attn_mask_type={attn_mask_type}")
+        super().__init__(
+            config, submodules, layer_number, attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name,
+        )
+        check_supported(config, self.world_size)
+        self.cp_attention = cp_attention
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if any(v is not None for v in (key_value_states, inference_context, inference_params, attention_bias,
+                                        packed_seq_params, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin)):
+            raise NotImplementedError(
+                "UPipe/Ulysses attention supports plain causal training batches only (no inference context, packed "
+                "sequences, attention bias or precomputed cos/sin)"
+            )
+        if isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = rotary_pos_emb[0]
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None
+        tp_group = self.pg_collection.tp
+        if self.config.sequence_parallel:
+            x = gather_from_sequence_parallel_region(hidden_states, group=tp_group)  # [s/(C·t), b, D] -> [s/C, b, D]
+        else:
+            x = copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)  # [s/C, b, D], grad all-reduced
+        G = self.num_query_groups_per_partition
+        g = self.num_attention_heads_per_partition // G
+        d = self.hidden_size_per_attention_head
+        w = self.linear_qkv.weight.view(G, g + 2, d, x.shape[-1])  # [G·(g+2)·d, D] -> [G, g+2, d, D]
+        out = self.cp_attention(
+            x, w[:, :g], w[:, g], w[:, g + 1],  # w_q [G, g, d, D], w_k [G, d, D], w_v [G, d, D]
+            cp_group=self.pg_collection.cp,
+            rotary_pos_emb=rotary_pos_emb,  # [N, 1, 1, rot_dim]
+            causal=True,
+            softmax_scale=self.config.softmax_scale,
+        )  # [s/C, b, G·g·d], heads group-major: the column order linear_proj expects
+        return self.linear_proj(out)  # [s/C (or s/(C·t) with SP), b, D], bias

@@ -1,0 +1,86 @@
+"""The parallel layout (TP, PP, CP, DP, the CP strategy) and the set-up of megatron-core's process groups.
+
+`ParallelLayout` is a validated, frozen description of how a job is split; `initialize_parallel(layout)` builds
+megatron-core's groups once and returns them as a `ProcessGroupCollection` that callers pass down explicitly
+(model builder, attention, batch split). Rank order is megatron-core's default "tp-cp-ep-dp-pp".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Strategies understood by `megatron_upipe.models.spec.build_layer_spec`, the only place that acts on them.
+CP_STRATEGIES = ("none", "ulysses", "upipe", "p2p", "a2a", "a2a+p2p")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    cp_strategy: str = "none"
+    upipe_heads_per_stage: int | None = None  # U summed over the CP ranks; None = smallest legal value
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name}={value!r} must be a positive integer")
+        if self.cp_strategy not in CP_STRATEGIES:
+            raise ValueError(f"parallel.cp_strategy={self.cp_strategy!r} is unknown; choose one of {CP_STRATEGIES}")
+        if self.cp > 1 and self.cp_strategy == "none":
+            raise ValueError(f"parallel.cp={self.cp} needs a cp_strategy other than 'none' (e.g. 'upipe')")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel=True needs tp > 1")
+        if self.upipe_heads_per_stage is not None and self.upipe_heads_per_stage < 1:
+            raise ValueError(f"parallel.upipe_heads_per_stage={self.upipe_heads_per_stage} must be positive or None")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def describe(self) -> str:
+        sp = "+sp" if self.sequence_parallel else ""
+        u = f"(U={self.upipe_heads_per_stage})" if self.upipe_heads_per_stage else ""
+        return f"tp{self.tp}{sp}-pp{self.pp}-cp{self.cp}:{self.cp_strategy}{u}-dp{self.dp}"
+
+
+def initialize_parallel(layout: ParallelLayout, seed: int = 1234):
+    """Initialise megatron-core's parallel state for `layout` on the already-initialised default process group.
+
+    Installs the CPU adaptation first when there is no GPU, seeds the CPU generator and megatron's RNG tracker,
+    and returns megatron's `ProcessGroupCollection` (tp, pp, cp, dp, dp_cp, ...) to pass down explicitly.
+    Call `destroy_parallel()` before initialising another layout in the same processes.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_upipe.compat.cpu import install_cpu_patches
+
+    if not dist.is_initialized():
+        raise RuntimeError("initialize torch.distributed (e.g. torchrun + init_process_group) before the layout")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(
+            f"layout {layout.describe()} needs {layout.world_size} ranks but the job has {dist.get_world_size()}"
+        )
+    install_cpu_patches()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()

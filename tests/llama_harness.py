@@ -1,0 +1,131 @@
+"""Test harness: run a tiny Llama under one parallel layout on gloo ranks and report results in HF names.
+
+Every layout loads the same HF-named weights (so initialisation differences between layouts do not matter),
+trains on the same global batch with megatron-core's DDP, forward-backward schedule, finalize_model_grads and
+optimizer, and returns (per step) the global loss, the first step's gradients and the final parameters, all
+gathered over TP and named like HF `LlamaForCausalLM` so any layout compares with any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RunResult:
+    losses: list[float]
+    grads: dict[str, torch.Tensor]  # HF name -> full gradient after the first step's reduction
+    params: dict[str, torch.Tensor]  # HF name -> full parameter after the last optimizer step
+
+
+def random_hf_state_dict(arch, vocab_size: int, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
+    """Random weights in HF LlamaForCausalLM names (norm weights around 1)."""
+    from megatron_upipe.checkpoint.hf_convert import hf_config_from_arch
+
+    gen = torch.Generator().manual_seed(seed)
+    cfg = hf_config_from_arch(arch, vocab_size)
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    out = {}
+    for k, shape in sorted(shapes.items()):
+        if k.endswith("norm.weight") or k.endswith("layernorm.weight"):
+            out[k] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            out[k] = std * torch.randn(shape, generator=gen)
+    return out
+
+
+def _loss_func(per_token_loss: torch.Tensor):
+    # (sum over this rank's [b, s/C] tokens, token count, report): the schedule divides by the count and DDP
+    # averages over dp×cp, which gives the global mean since every rank holds the same number of tokens.
+    total = per_token_loss.float().sum()
+    count = torch.tensor(per_token_loss.numel(), dtype=torch.int)
+    return total, count, {"lm loss": (total / count).detach()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out, _loss_func
+
+
+def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
+               clip_grad: float = 1.0) -> RunResult:
+    """Called on every rank of a job of layout.world_size ranks; returns the same RunResult on every rank."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_upipe.checkpoint.hf_convert import load_hf_into_model, stage_to_hf
+    from megatron_upipe.cp_batch import split_batch
+    from megatron_upipe.models.llama import build_llama
+    from megatron_upipe.parallel import destroy_parallel, initialize_parallel
+
+    vocab = hf_sd["model.embed_tokens.weight"].shape[0]
+    pg = initialize_parallel(layout)
+    try:
+        stage = build_llama(arch, layout, pg, vocab_size=vocab)
+        config = stage.config
+        offset = get_transformer_layer_offset(config, pp_rank=pg.pp.rank())
+        load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)
+        ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+            stage.model,
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=clip_grad, bf16=False), [ddp]
+        )
+
+        B, N = tokens.shape[0], tokens.shape[1] - 1
+        dp_rank, dp = pg.dp.rank(), pg.dp.size()
+        rows = tokens[dp_rank * (B // dp):(dp_rank + 1) * (B // dp)]  # [B/dp, N+1]
+        batch = {
+            "tokens": rows[:, :-1], "labels": rows[:, 1:],
+            "position_ids": torch.arange(N).unsqueeze(0).expand(rows.shape[0], -1),
+        }
+        batch = split_batch(batch, stage.plan.sequence_split, pg.cp)  # [B/dp, N/C] each
+
+        forward_backward = get_forward_backward_func()
+        losses, grads = [], None
+        for step in range(steps):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            out = forward_backward(
+                forward_step_func=_forward_step, data_iterator=iter([batch]), model=[ddp], num_microbatches=1,
+                seq_length=N, micro_batch_size=B // dp, forward_only=False,
+            )
+            local = torch.tensor([out[0]["lm loss"].item() if out else 0.0])
+            # The last pipeline stage holds the loss: sum over pp (others add 0), average over dp×cp.
+            dist.all_reduce(local, group=pg.pp)
+            dist.all_reduce(local, group=pg.dp_cp)
+            losses.append(local.item() / pg.dp_cp.size())
+            if step == 0:
+                named = [(n, p.main_grad) for n, p in stage.model.named_parameters()]
+                grads = _gather_stage(named, arch, vocab, pg, offset)
+            optimizer.step()
+        params = _gather_stage(list(stage.model.named_parameters()), arch, vocab, pg, offset)
+        return RunResult(losses, grads, params)
+    finally:
+        destroy_parallel()
+
+
+def _gather_stage(named, arch, vocab, pg, offset) -> dict[str, torch.Tensor]:
+    """HF-named full tensors of every pipeline stage, on every rank."""
+    from megatron_upipe.checkpoint.hf_convert import stage_to_hf
+
+    mine = {k: v.clone() for k, v in stage_to_hf(named, arch, vocab, tp_group=pg.tp, layer_offset=offset).items()}
+    stages = [None] * pg.pp.size()
+    dist.all_gather_object(stages, mine, group=pg.pp)
+    return {k: v for s in stages for k, v in s.items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
