@@ -79,6 +79,17 @@ def _hint(value: Any, ann: Any) -> str:
     return ""
 
 
+def show(value: Any) -> str:
+    """A value as the user wrote it in YAML: true/false/null, quoted strings."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "mapping", list: "list", type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def _literal_choices(ann: Any) -> list[str]:
     if get_origin(ann) is Literal:
         return list(get_args(ann))
@@ -91,8 +102,8 @@ def coerce(value: Any, ann: Any, key: str) -> Any:
     """Return value converted to the annotation (int -> float, numeric str -> float) or raise ConfigError."""
     out = _coerce(value, ann)
     if out is _FAIL:
-        got = "mapping" if isinstance(value, dict) else type(value).__name__
-        raise ConfigError(f"{key}={value!r}: expected {type_name(ann)}, got {got}{_hint(value, ann)}")
+        got = "" if isinstance(value, str) and _literal_choices(ann) else f", got {_kind(value)}"
+        raise ConfigError(f"{key}={show(value)}: expected {type_name(ann)}{got}{_hint(value, ann)}")
     return out
 
 

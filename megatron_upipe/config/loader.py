@@ -27,7 +27,8 @@ def _unknown(key: str, origin: str) -> str:
         return f"unknown config key {key!r} ({origin}); did you mean {near!r}?"
     section = key.split(".")[0]
     if section in SECTIONS:
-        return f"unknown config key {key!r} ({origin}); keys of {section}: {[k for k in known_keys() if k.startswith(section + '.')]}"
+        keys = [k for k in known_keys() if k.startswith(section + ".")]
+        return f"unknown config key {key!r} ({origin}); keys of {section}: {keys}"
     return f"unknown config key {key!r} ({origin}); sections are {list(SECTIONS)}"
 
 

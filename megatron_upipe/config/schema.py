@@ -21,8 +21,8 @@ CpStrategy = Literal["none", "ulysses", "upipe", "p2p", "a2a", "a2a+p2p"]
 TE_CP_STRATEGIES = ("p2p", "a2a", "a2a+p2p")  # megatron-core's cp_comm_type values, implemented inside TE
 
 
-def _check_section(obj: object, rules: list[tuple[bool, str]]) -> None:
-    """Type-check every field of a section, then apply its (bad, message) rules; raise all problems at once."""
+def _check_types(obj: object) -> None:
+    """Every field has its annotated type (an int is accepted for a float); raise all mismatches at once."""
     name = obj.section  # type: ignore[attr-defined]
     hints = get_type_hints(type(obj))
     problems = []
@@ -34,8 +34,12 @@ def _check_section(obj: object, rules: list[tuple[bool, str]]) -> None:
                 problems.append(f"{name}.{f.name}={value!r}: expected {type_name(hints[f.name])}")
             except ConfigError as e:
                 problems.append(str(e))
-    if problems:  # range rules assume correct types
+    if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _refuse(rules: list[tuple[bool, str]]) -> None:
+    """Raise one ConfigError with the message of every (bad, message) rule that is bad."""
     problems = [msg for bad, msg in rules if bad]
     if problems:
         raise ConfigError("\n".join(problems))
@@ -77,7 +81,8 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_section(self, [
+        _check_types(self)
+        _refuse([
             (self.preset not in PRESETS, f"model.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}"),
             *_positive(self, *self.OVERRIDES, "vocab_size", "make_vocab_size_divisible_by", "init_method_std"),
         ])
@@ -104,7 +109,8 @@ class ParallelConfig:
     sequence_parallel: bool = False  # megatron sequence parallelism inside the TP group (needs tp > 1)
 
     def __post_init__(self) -> None:
-        _check_section(self, [
+        _check_types(self)
+        _refuse([
             *_positive(self, "tp", "pp", "cp", "dp", "upipe_heads_per_stage"),
             (self.cp > 1 and self.cp_strategy == "none",
              f"parallel.cp={self.cp} needs a context-parallel algorithm: set parallel.cp_strategy to upipe "
@@ -135,7 +141,7 @@ class TrainConfig:
     steps: int = 1000
     lr: float = 3.0e-4
     min_lr: float = 3.0e-5
-    warmup_steps: int = 100
+    warmup_steps: int = 0
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     lr_decay_steps: int | None = None  # null = steps
     weight_decay: float = 0.1
@@ -151,16 +157,17 @@ class TrainConfig:
     distributed_optimizer: bool = False  # shard optimizer state over dp x cp (ZeRO-1)
 
     def __post_init__(self) -> None:
-        decay = self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
-        _check_section(self, [
+        _check_types(self)
+        decay = self.decay_steps
+        _refuse([
             *_positive(self, "seq_length", "micro_batch_size", "global_batch_size", "steps", "lr", "lr_decay_steps",
                        "adam_eps", "eval_iters"),
             (self.seed < 0, f"train.seed={self.seed} must be >= 0"),
             (not 0 <= self.min_lr <= self.lr,
              f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]: lower train.min_lr"),
             (self.warmup_steps < 0, f"train.warmup_steps={self.warmup_steps} must be >= 0"),
-            (self.warmup_steps > decay,
-             f"train.warmup_steps={self.warmup_steps} exceeds the decay horizon {decay} (train.lr_decay_steps, "
+            (self.warmup_steps >= decay,
+             f"train.warmup_steps={self.warmup_steps} must be below the decay horizon {decay} (train.lr_decay_steps, "
              f"else train.steps): lower train.warmup_steps"),
             (self.weight_decay < 0, f"train.weight_decay={self.weight_decay} must be >= 0"),
             (not 0 <= self.adam_beta1 < 1, f"train.adam_beta1={self.adam_beta1} must be in [0, 1)"),
@@ -183,7 +190,8 @@ class DataConfig:
     num_workers: int = 2
 
     def __post_init__(self) -> None:
-        _check_section(self, [
+        _check_types(self)
+        _refuse([
             (self.path == "", "data.path is empty: give a preprocessed dataset prefix or mock"),
             (len(self.split) != 3 or any(w < 0 for w in self.split) or sum(self.split) <= 0,
              f"data.split={self.split} must be three non-negative weights (train, valid, test), not all zero"),
@@ -201,7 +209,8 @@ class CheckpointConfig:
     keep_last: int | None = None  # keep only the newest N checkpoints; null = keep all
 
     def __post_init__(self) -> None:
-        _check_section(self, [
+        _check_types(self)
+        _refuse([
             (self.interval < 0, f"checkpoint.interval={self.interval} must be >= 0 (0 = never save)"),
             (self.interval > 0 and self.dir is None,
              f"checkpoint.interval={self.interval} saves checkpoints but checkpoint.dir is null: set checkpoint.dir"),
@@ -222,7 +231,8 @@ class LogConfig:
     wandb_run_name: str | None = None
 
     def __post_init__(self) -> None:
-        _check_section(self, _positive(self, "interval"))
+        _check_types(self)
+        _refuse(_positive(self, "interval"))
 
 
 @dataclass(frozen=True)
@@ -232,7 +242,8 @@ class DistConfig:
     timeout_s: int = 600  # collective timeout: a failed or hung rank ends the job after this long
 
     def __post_init__(self) -> None:
-        _check_section(self, _positive(self, "timeout_s"))
+        _check_types(self)
+        _refuse(_positive(self, "timeout_s"))
 
 
 @dataclass(frozen=True)
@@ -242,7 +253,7 @@ class MemoryConfig:
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA init)
 
     def __post_init__(self) -> None:
-        _check_section(self, [])
+        _check_types(self)
 
 
 @dataclass(frozen=True)

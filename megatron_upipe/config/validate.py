@@ -42,6 +42,10 @@ class Plan:
         return None if self.heads_per_stage is None else self.local_heads // self.heads_per_stage
 
     @property
+    def micro_batch_size(self) -> int:
+        return self.global_batch_size // (self.dp * self.num_microbatches)
+
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_length
 
@@ -52,38 +56,25 @@ class Plan:
             f"model: L{a.num_layers} D{a.hidden_size} H{a.num_attention_heads}/kv{a.num_query_groups} d{a.kv_channels}"
             f" ffn{a.ffn_hidden_size}, vocab {self.vocab_size or 'from tokenizer'}",
             f"heads per TP rank: {self.local_heads} q / {self.local_kv_heads} kv",
-            f"global batch {self.global_batch_size} = micro-batch {self.global_batch_size // (self.dp * self.num_microbatches)}"
-            f" x dp {self.dp} x {self.num_microbatches} accumulation step(s)",
+            f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x dp {self.dp}"
+            f" x {self.num_microbatches} accumulation step(s)",
             f"tokens per step {self.tokens_per_step}, per CP rank per sequence {self.seq_per_cp_rank}",
         ]
         if self.heads_per_stage is not None:
-            lines.append(f"upipe: {self.heads_per_stage} heads per stage (over the cp ranks), {self.upipe_stages} stages")
+            lines.append(f"upipe: {self.heads_per_stage} heads per stage (over the cp ranks), "
+                         f"{self.upipe_stages} stages")
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
 
-# ------------------------------------------------------------------------------------------------------------
-# UPipe / Ulysses head legality: the single call site of megatron_upipe/attention/schedule.py.
-# The fallback (the simple rules of docs/upipe.md) only runs while that module is absent; remove it once
-# schedule.py is committed.
-# ------------------------------------------------------------------------------------------------------------
 def resolve_heads_per_stage(num_heads: int, num_kv_heads: int, cp: int, requested: int | None) -> int:
-    """U for these TP-local head counts (requested, or the smallest legal); ValueError says why not."""
-    try:
-        from megatron_upipe.attention import schedule
-    except ModuleNotFoundError as e:
-        if e.name not in ("megatron_upipe.attention", "megatron_upipe.attention.schedule"):
-            raise
-        schedule = None
-    if schedule is not None:
-        return schedule.make_schedule(num_heads, num_kv_heads, cp, requested).heads_per_stage
-    if num_heads % cp:
-        raise ValueError(f"num_heads={num_heads} is not divisible by the cp size {cp}")
-    if num_kv_heads % cp and cp % num_kv_heads:
-        raise ValueError(f"num_kv_heads={num_kv_heads} can neither be split over nor replicated to {cp} CP ranks")
-    legal = [u for u in range(cp, num_heads + 1, cp) if num_heads % u == 0]
-    if requested is not None and requested not in legal:
-        raise ValueError(f"heads_per_stage={requested} must be a multiple of cp={cp} dividing {num_heads}; legal: {legal}")
-    return requested if requested is not None else legal[0]
+    """U for these TP-local head counts (requested, or the smallest legal); ValueError says why not.
+
+    The single place the config asks the attention package; imported here, not at module level, so importing
+    the config stays free of torch (megatron_upipe.attention's __init__ imports the torch ops).
+    """
+    from megatron_upipe.attention.schedule import make_schedule
+
+    return make_schedule(num_heads, num_kv_heads, cp, requested).heads_per_stage
 
 
 def _importable(module: str) -> bool:
