@@ -1,0 +1,246 @@
+"""The config tree: precedence, error messages, the shipped configs, the validation rules and the entry point."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_upipe.config import Config, ConfigError, check_paths, load_config, to_yaml, validate
+from megatron_upipe.config.loader import known_keys
+from megatron_upipe.config.schema import CheckpointConfig, ParallelConfig, TrainConfig
+from megatron_upipe.config.validate import resolve_heads_per_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+TINY = str(ROOT / "examples" / "configs" / "tiny_cpu.yaml")
+
+REQUIRED_KEYS = """model.preset parallel.tp parallel.pp parallel.cp parallel.cp_strategy parallel.upipe_heads_per_stage
+train.seq_length train.micro_batch_size train.global_batch_size train.steps train.lr train.seed data.path
+data.tokenizer checkpoint.dir checkpoint.interval log.metrics_file""".split()
+
+
+def errors_of(fn, *args) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def test_required_keys_exist():
+    assert set(REQUIRED_KEYS) <= set(known_keys())
+
+
+def test_precedence_defaults_yaml_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 1e-3\n  steps: 7\nparallel:\n  cp: 2\n  cp_strategy: upipe\n")
+    c = load_config(str(f), ["train.lr=2e-3", "train.seed=5"])
+    assert c.train.lr == 2e-3 and isinstance(c.train.lr, float)  # override beats YAML; 1e-3 read as a float
+    assert c.train.steps == 7  # YAML beats default
+    assert c.train.min_lr == TrainConfig().min_lr == 3e-5  # default kept
+    assert (c.parallel.cp, c.parallel.cp_strategy, c.train.seed) == (2, "upipe", 5)
+    assert load_config(None, []) == Config()
+    assert load_config(str(f), ["train.steps=9", "train.steps=11"]).train.steps == 11  # the last override wins
+
+
+def test_yaml_scalar_rules_in_overrides():
+    c = load_config(None, ["checkpoint.dir=", "data.split=[98, 2, 0]", "train.bf16=true", "log.wandb_mode=online",
+                           "data.path=a=b", "train.clip_grad=0"])
+    assert c.checkpoint.dir is None
+    assert c.data.split == [98.0, 2.0, 0.0]
+    assert c.train.bf16 is True and c.train.clip_grad == 0.0
+    assert c.log.wandb_mode == "online" and c.data.path == "a=b"
+    assert load_config(None, ["checkpoint.resume=auto"]).checkpoint.resume == "auto"
+    assert load_config(None, ["checkpoint.resume=false", "checkpoint.dir=x"]).checkpoint.resume is False
+
+
+def test_unknown_keys_suggest_the_closest(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  seq_len: 1024\n")
+    msg = errors_of(load_config, str(f), ["paralel.cp=2", "foo.bar=1", "train.qqqqqqqq=1"])
+    assert f"unknown config key 'train.seq_len' (in {f}); did you mean 'train.seq_length'?" in msg
+    assert "unknown config key 'paralel.cp' (on the command line); did you mean 'parallel.cp'?" in msg
+    assert "sections are ['model', 'parallel'" in msg  # no close match: list the sections
+    assert "keys of train: ['train.seq_length'" in msg
+    assert "did you mean 'ulysses'?" in errors_of(load_config, None, ["parallel.cp_strategy=ulyses", "parallel.cp=2"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps=1.5", "train.steps=1.5: expected int, got float"),
+    ("train.steps=true", "train.steps=true: expected int, got bool"),
+    ("train.lr=fast", "train.lr='fast': expected float, got str"),
+    ("parallel.sequence_parallel=1", "parallel.sequence_parallel=1: expected bool, got int"),
+    ("log.wandb_project=123", "quote it to pass a string"),
+    ("data.split=abc", "data.split='abc': expected list of float, got str"),
+    ("data.split=[1, x, 0]", "expected list of float"),
+    ("train.bf16=maybe", "train.bf16='maybe': expected bool or one of auto"),
+    ("parallel.cp={a: 1}", "expected int, got mapping"),
+    ("train.seq_length=", "train.seq_length=null: expected int, got null"),
+    ("train.lr", "is not of the form section.key=value"),
+])
+def test_type_errors(override, expected):
+    assert expected in errors_of(load_config, None, [override])
+
+
+def test_dataclasses_check_their_own_fields():
+    assert "parallel.cp=2 needs a context-parallel algorithm" in errors_of(ParallelConfig, 1, 1, 2)
+    assert "train.lr='3e-4': expected float" in errors_of(lambda: TrainConfig(lr="3e-4"))  # strict in Python
+    assert "checkpoint.dir is null" in errors_of(lambda: CheckpointConfig(interval=10))
+    with pytest.raises(Exception):  # frozen: nothing rewrites what the user asked for
+        Config().train.lr = 1.0  # type: ignore[misc]
+
+
+def test_print_config_round_trips(tmp_path):
+    c = load_config(TINY, ["train.lr=2.5e-4", "data.split=[90, 10, 0]", "checkpoint.resume=true"])
+    f = tmp_path / "resolved.yaml"
+    f.write_text(to_yaml(c))
+    assert load_config(str(f)) == c
+    assert yaml.safe_load(to_yaml(c))["parallel"]["cp_strategy"] == "upipe"
+
+
+def _intended_world_size(path: Path) -> int:
+    m = re.search(r"^# world_size: (\d+)$", path.read_text(), re.MULTILINE)
+    assert m, f"{path.name} must state its intended world size in a '# world_size: N' line"
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate_at_their_world_size(path):
+    config = load_config(str(path))
+    plan = validate(config, _intended_world_size(path))
+    check_paths(config)  # the tiny config's data and tokenizer are committed under data/
+    assert plan.dp * config.parallel.model_parallel_size == plan.world_size
+    assert plan.warnings == ()
+    if config.parallel.cp_strategy == "upipe":
+        assert plan.heads_per_stage is not None and plan.local_heads % plan.heads_per_stage == 0
+
+
+def test_shipped_configs_are_the_intended_ones():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny_cpu.yaml", "llama3_8b_upipe_8xh100.yaml", "qwen3_32b_upipe_16xh100.yaml"} <= names
+    big = validate(load_config(str(ROOT / "examples/configs/llama3_8b_upipe_8xh100.yaml")), 8)
+    assert (big.seq_length, big.heads_per_stage, big.upipe_stages, big.vocab_size) == (5242880, 8, 4, 128256)
+    qwen = validate(load_config(str(ROOT / "examples/configs/qwen3_32b_upipe_16xh100.yaml")), 16)
+    assert (qwen.dp, qwen.heads_per_stage, qwen.upipe_stages, qwen.local_kv_heads) == (1, 16, 4, 8)
+    assert "global batch 1 = micro-batch 1 x dp 1 x 1" in qwen.summary()
+    tiny = validate(load_config(TINY), 2)
+    assert (tiny.heads_per_stage, tiny.num_microbatches, tiny.seq_per_cp_rank) == (2, 2, 128)
+
+
+BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
+    ([], 3, "world size 3 is not divisible by parallel.tp·pp·cp = 1·1·2 = 2"),
+    ([], 0, "world size 0 must be a positive integer"),
+    (["parallel.dp=2"], 2, "parallel.dp=2 but world size 2 / (tp·pp·cp = 2) = 1"),
+    (["parallel.tp=3"], 6, "model.num_attention_heads=8 is not divisible by parallel.tp=3"),
+    (["model.preset=tiny-gqa", "parallel.tp=4"], 8,
+     "model.num_query_groups=2 (KV heads) is not divisible by parallel.tp=4"),
+    (["parallel.cp=3", "train.seq_length=258"], 3, "not divisible by the context-parallel size 3"),
+    (["parallel.tp=2", "parallel.cp=8", "train.seq_length=512"], 16,
+     "parallel.cp: parallel.cp_strategy=upipe with 4 query"),
+    (["parallel.upipe_heads_per_stage=3"], 2, "legal heads_per_stage values for these shapes: [2, 4, 8]"),
+    (["parallel.upipe_heads_per_stage=16"], 2, "heads_per_stage=16"),
+    (["train.seq_length=254"], 2, "train.seq_length=254 must be a multiple of 4"),
+    (["parallel.tp=4", "parallel.sequence_parallel=true", "train.seq_length=260"], 8,
+     "train.seq_length=260 must be a multiple of 8 (2·cp load-balanced chunks, times tp under sequence parallel)"),
+    (["train.global_batch_size=3"], 2,
+     "train.global_batch_size=3 is not a multiple of train.micro_batch_size·dp = 2·1"),
+    (["parallel.pp=3"], 6, "parallel.pp=3 must divide model.num_layers=2"),
+    (["parallel.cp_strategy=none"], 2, "parallel.cp=2 needs a context-parallel algorithm"),
+    (["parallel.cp_strategy=p2p"], 2, "parallel.cp_strategy=p2p"),  # TE missing, or TE on gloo
+    (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel=true needs parallel.tp > 1"),
+    (["parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=2"], 2,
+     "parallel.upipe_heads_per_stage=2 is only used"),
+    (["parallel.cp=1", "parallel.cp_strategy=ulysses"], 1, "does nothing with parallel.cp=1"),
+    (["train.min_lr=0.1"], 2, "train.min_lr=0.1 must be in [0, train.lr=0.001]"),
+    (["train.lr=0"], 2, "train.lr=0.0 must be positive"),
+    (["train.warmup_steps=50"], 2, "train.warmup_steps=50 must be below the decay horizon 50"),
+    (["checkpoint.interval=-1"], 2, "checkpoint.interval=-1 must be >= 0"),
+    (["checkpoint.dir=null"], 2, "checkpoint.interval=25 saves checkpoints but checkpoint.dir is null"),
+    (["data.tokenizer=null"], 2, "data.path=data/corpus_text_document is a tokenized dataset: set data.tokenizer"),
+    (["data.path=mock", "data.tokenizer=null"], 2, "the vocabulary size is unknown"),
+    (["data.split=[1, 0, 0]"], 2, "leaves no validation data"),
+    (["model.num_query_groups=3"], 2, "not a multiple of num_query_groups=3"),
+    (["model.num_layers=0"], 2, "model.num_layers=0 must be positive"),
+    (["model.preset=llama-9b"], 2, "model.preset='llama-9b' is unknown"),
+]
+
+
+@pytest.mark.parametrize("overrides, world_size, expected", BAD, ids=[r[2][:40] for r in BAD])
+def test_bad_configs_are_refused(overrides, world_size, expected):
+    msg = errors_of(lambda: validate(load_config(TINY, overrides), world_size))
+    assert expected in msg
+
+
+def test_all_problems_reported_at_once():
+    msg = errors_of(lambda: validate(load_config(TINY, ["train.seq_length=254", "parallel.dp=2"]), 2))
+    assert msg.startswith("2 problem(s)") and "train.seq_length=254" in msg and "parallel.dp=2" in msg
+
+
+def test_validate_derives_without_rewriting():
+    c = load_config(TINY, ["train.global_batch_size=null", "parallel.upipe_heads_per_stage=null"])
+    plan = validate(c, 4)  # dp 2
+    assert (plan.dp, plan.global_batch_size, plan.num_microbatches, plan.heads_per_stage) == (2, 4, 1, 2)
+    assert c.train.global_batch_size is None and c.parallel.dp is None and c.parallel.upipe_heads_per_stage is None
+    assert validate(load_config(TINY, ["parallel.upipe_heads_per_stage=8"]), 2).upipe_stages == 1
+    pp = validate(load_config(TINY, ["parallel.pp=2", "train.global_batch_size=2"]), 4)
+    assert "mostly idle" in pp.warnings[0]
+
+
+def test_upipe_legality_comes_from_the_schedule():
+    from megatron_upipe.attention.schedule import legal_heads_per_stage
+
+    for heads, kv, cp in [(8, 4, 2), (32, 8, 8), (64, 8, 16), (8, 2, 4)]:
+        legal = legal_heads_per_stage(heads, kv, cp)
+        assert resolve_heads_per_stage(heads, kv, cp, None) == legal[0]
+        assert [resolve_heads_per_stage(heads, kv, cp, u) for u in legal] == legal
+    with pytest.raises(ValueError, match="legal heads_per_stage"):
+        resolve_heads_per_stage(32, 8, 8, 12)
+
+
+def test_paths_are_checked():
+    msg = errors_of(check_paths, load_config(TINY, ["data.path=data/nope", "checkpoint.load=/no/such/ckpt"]))
+    assert "data.path: data/nope.bin" in msg and "checkpoint.load: /no/such/ckpt" in msg
+
+
+# ---- the entry point, as a user runs it ----
+
+def run_entry(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "pretrain_llama.py"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_entry_point_print_config_and_dry_run():
+    out = run_entry("--config", TINY, "--print-config", "train.steps=30")
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["train"]["steps"] == 30 and printed["parallel"]["cp"] == 2
+
+    out = run_entry("--config", TINY, "--dry-run", env={"WORLD_SIZE": "2"})
+    assert out.returncode == 0, out.stderr
+    assert "upipe: 2 heads per stage" in out.stdout and "nothing was built" in out.stdout
+
+    out = run_entry("--config", TINY, "--dry-run", "--world-size", "4", "parallel.cp_stratgy=a2a")
+    assert out.returncode == 2
+    assert "did you mean 'parallel.cp_strategy'?" in out.stderr and "Traceback" not in out.stderr
+
+    out = run_entry("--config", TINY, "--dry-run", "--world-size", "3")
+    assert out.returncode == 2 and "world size 3 is not divisible" in out.stderr
+
+
+def test_entry_point_stops_after_validation_until_the_loop_exists():
+    out = run_entry("--config", TINY, env={"WORLD_SIZE": "2"})
+    assert out.returncode != 0 and "NotImplementedError: training loop: see issue 4" in out.stderr
+    out = run_entry("--config", TINY, "--world-size", "2")
+    assert out.returncode == 2 and "--world-size is for planning with --dry-run" in out.stderr
+
+
+def test_config_imports_neither_torch_nor_megatron():
+    code = ("import sys, pretrain_llama, megatron_upipe.config; "
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
