@@ -2,7 +2,8 @@
 
 Shapes: b = micro-batch size, s = seq_length. A micro-batch is a dict of stacked samples:
   tokens, labels, position_ids  [b, s] int64;  loss_mask [b, s] float32;  attention_mask [b, 1, s, s] bool (only
-  with `create_attention_mask=True`; megatron-core's local attention builds its own causal mask otherwise).
+  with `create_attention_mask=True`; megatron-core's local attention builds its own causal mask otherwise);
+  dataset_id [b] int64 (only from a weighted blend: which prefix each sample came from).
 
 Data order. megatron's GPTDataset already shuffles (a seeded shuffle index over fixed-length samples that pack and
 split documents, over as many epochs as `num_samples` needs), so sample i of the dataset is fixed by (data, seed,
@@ -165,9 +166,9 @@ class MicroBatchSampler:
             yield list(range(first, first + b))
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack per key: [s] -> [b, s]; [1, s, s] -> [b, 1, s, s]."""
-    return {k: torch.stack([sample[k] for sample in samples]) for k in samples[0]}
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack per key: [s] -> [b, s]; [1, s, s] -> [b, 1, s, s]; a blend's scalar dataset_id -> [b]."""
+    return {k: torch.stack([torch.as_tensor(sample[k]) for sample in samples]) for k in samples[0]}
 
 
 def micro_batches(
