@@ -143,9 +143,10 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
      "parallel.cp: parallel.cp_strategy=upipe with 4 query"),
     (["parallel.upipe_heads_per_stage=3"], 2, "legal heads_per_stage values for these shapes: [2, 4, 8]"),
     (["parallel.upipe_heads_per_stage=16"], 2, "heads_per_stage=16"),
-    (["train.seq_length=254"], 2, "train.seq_length=254 must be a multiple of 4"),
+    (["train.seq_length=255"], 2, "train.seq_length=255 must be a multiple of 2 (cp)"),
     (["parallel.tp=4", "parallel.sequence_parallel=true", "train.seq_length=260"], 8,
-     "train.seq_length=260 must be a multiple of 8 (2·cp load-balanced chunks, times tp under sequence parallel)"),
+     "train.seq_length=260 must be a multiple of 8 (cp, times tp under sequence parallel)"),
+    (["parallel.cp_strategy=a2a", "train.seq_length=258"], 2, "must be a multiple of 4 (2·cp zigzag chunks)"),
     (["train.global_batch_size=3"], 2,
      "train.global_batch_size=3 is not a multiple of train.micro_batch_size·dp = 2·1"),
     (["parallel.pp=3"], 6, "parallel.pp=3 must divide model.num_layers=2"),
@@ -176,8 +177,8 @@ def test_bad_configs_are_refused(overrides, world_size, expected):
 
 
 def test_all_problems_reported_at_once():
-    msg = errors_of(lambda: validate(load_config(TINY, ["train.seq_length=254", "parallel.dp=2"]), 2))
-    assert msg.startswith("2 problem(s)") and "train.seq_length=254" in msg and "parallel.dp=2" in msg
+    msg = errors_of(lambda: validate(load_config(TINY, ["train.seq_length=255", "parallel.dp=2"]), 2))
+    assert msg.startswith("2 problem(s)") and "train.seq_length=255" in msg and "parallel.dp=2" in msg
 
 
 def test_validate_derives_without_rewriting():
@@ -199,6 +200,15 @@ def test_upipe_legality_comes_from_the_schedule():
         assert [resolve_heads_per_stage(heads, kv, cp, u) for u in legal] == legal
     with pytest.raises(ValueError, match="legal heads_per_stage"):
         resolve_heads_per_stage(32, 8, 8, 12)
+
+
+def test_choices_match_the_layer_spec():
+    from typing import get_args
+
+    from megatron_upipe.config.schema import CpStrategy
+    from megatron_upipe.parallel import CP_STRATEGIES  # imports torch, not megatron-core
+
+    assert get_args(CpStrategy) == CP_STRATEGIES
 
 
 def test_paths_are_checked():
@@ -226,9 +236,6 @@ def test_entry_point_print_config_and_dry_run():
     out = run_entry("--config", TINY, "--dry-run", "--world-size", "4", "parallel.cp_stratgy=a2a")
     assert out.returncode == 2
     assert "did you mean 'parallel.cp_strategy'?" in out.stderr and "Traceback" not in out.stderr
-
-    out = run_entry("--config", TINY, "--dry-run", "--world-size", "3")
-    assert out.returncode == 2 and "world size 3 is not divisible" in out.stderr
 
 
 def test_entry_point_stops_after_validation_until_the_loop_exists():

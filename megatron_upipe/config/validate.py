@@ -82,9 +82,10 @@ def _importable(module: str) -> bool:
 
 
 def _seq_multiple(config: Config) -> int:
+    """train.seq_length must be a multiple of this: split over cp (then tp under sequence parallel)."""
     p = config.parallel
-    m = p.cp * (p.tp if p.sequence_parallel else 1)  # tokens split over cp, then over tp under SP
-    return math.lcm(m, 2 * p.cp) if p.cp > 1 else m  # megatron-core's load-balanced causal split: 2·cp chunks
+    chunks = 2 * p.cp if p.cp_strategy in TE_CP_STRATEGIES and p.cp > 1 else p.cp  # TE's zigzag: 2·cp chunks
+    return math.lcm(chunks, p.cp * (p.tp if p.sequence_parallel else 1))
 
 
 def validate(config: Config, world_size: int) -> Plan:
@@ -141,7 +142,7 @@ def validate(config: Config, world_size: int) -> Plan:
     # sequence length vs cp (and tp under sequence parallel)
     multiple = _seq_multiple(config)
     if t.seq_length % multiple:
-        why = "2·cp load-balanced chunks" if p.cp > 1 else "cp"
+        why = "2·cp zigzag chunks" if p.cp_strategy in TE_CP_STRATEGIES else "cp"
         why += ", times tp under sequence parallel" if p.sequence_parallel else ""
         errors.append(f"train.seq_length={t.seq_length} must be a multiple of {multiple} ({why}): e.g. "
                       f"{max(multiple, t.seq_length // multiple * multiple)}")
