@@ -15,7 +15,7 @@ from megatron_upipe.data.datasets import (
     micro_batches,
     parse_data_path,
 )
-from megatron_upipe.data.tokenizers import build_tokenizer
+from megatron_upipe.data.tokenizers import ByteTokenizer, build_tokenizer
 from tests.dist_helper import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,9 +123,10 @@ def test_sampler_rejects_inconsistent_positions():
     assert len(MicroBatchSampler(10, 2, 0, 2, consumed_samples=12)) == 0
 
 
-def test_mock_data(tokenizer, tmp_path):
+def test_mock_data(tmp_path):
     config = GPTDataConfig(data_path=("mock",), seq_length=32, create_attention_mask=True)
     assert config.is_mock
+    tokenizer = ByteTokenizer(vocab_size=300)  # mock data needs no tokenizer file, only a vocabulary size
     mock = build_gpt_datasets(config, tokenizer, (64, 8, 8), tmp_path)
     again = build_gpt_datasets(config, tokenizer, (64, 8, 8), tmp_path / "again")
     assert len(mock.train) >= 64 and mock.valid is not None and mock.test is not None

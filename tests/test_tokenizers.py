@@ -12,6 +12,7 @@ import pytest
 from megatron_upipe.data.documents import read_documents
 from megatron_upipe.data.tokenizer_training import SentencePieceTrainingConfig, train_sentencepiece
 from megatron_upipe.data.tokenizers import (
+    ByteTokenizer,
     HFTokenizer,
     SentencePieceTokenizer,
     TokenizerFingerprint,
@@ -89,6 +90,18 @@ def test_hf_tokenizer_config_names_eos_and_pad(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<my_eos>"}))
     tok = build_tokenizer(tmp_path)
     assert tok.pad == tok.eod == tok._tok.token_to_id("<my_eos>")  # no pad token: pad falls back to eod
+
+
+def test_byte_tokenizer():
+    tok = ByteTokenizer(vocab_size=512)
+    assert (tok.vocab_size, tok.eod, tok.pad) == (512, 256, 257)
+    for text in TRICKY:
+        assert tok.detokenize(tok.tokenize(text)) == text
+    assert tok.tokenize("é") == [0xC3, 0xA9]
+    assert tok.fingerprint() != ByteTokenizer(vocab_size=1024).fingerprint()
+    assert pickle.loads(pickle.dumps(tok)).fingerprint() == tok.fingerprint()
+    with pytest.raises(ValueError, match="258"):
+        ByteTokenizer(vocab_size=200)
 
 
 def test_clear_errors_for_missing_or_unreadable_files(tmp_path):

@@ -4,6 +4,7 @@
   * a directory, or a file whose name ends in `.json`  -> `HFTokenizer` (a `tokenizers` tokenizer.json; in a
     directory, `tokenizer_config.json` beside it names the eos/pad tokens when present)
   * any other file (normally `*.model`)                -> `SentencePieceTokenizer`
+`ByteTokenizer(vocab_size)` needs no file: UTF-8 bytes, for mock data (whose only need is a vocabulary size).
 
 A `Tokenizer` also carries what megatron-core's datasets read from their `tokenizer` (`vocab_size`, `eod`, `pad`,
 `unique_identifiers`), so an instance is passed straight to `GPTDatasetConfig(tokenizer=...)`.
@@ -47,11 +48,13 @@ class TokenizerFingerprint:
 
 
 class Tokenizer(abc.ABC):
-    """vocab_size, eod and pad ids, and text <-> ids. `eod` is appended after every document."""
+    """vocab_size, eod and pad ids, and text <-> ids. `eod` is appended after every document.
+
+    `spec` is what it was built from (pickling sends only that); `sha256` hashes the model bytes actually loaded."""
 
     kind: str
-    spec: Path  # what the tokenizer was built from (a file or a directory)
-    path: Path  # the file whose bytes define the tokenizer
+    spec: str | Path | None
+    sha256: str
     vocab_size: int
     eod: int
     pad: int
@@ -64,16 +67,21 @@ class Tokenizer(abc.ABC):
     def detokenize(self, ids: list[int]) -> str: ...
 
     def fingerprint(self) -> TokenizerFingerprint:
-        digest = hashlib.sha256(self.path.read_bytes()).hexdigest()
-        return TokenizerFingerprint(self.kind, digest, self.vocab_size, self.eod, self.pad)
+        return TokenizerFingerprint(self.kind, self.sha256, self.vocab_size, self.eod, self.pad)
 
     @property
     def unique_identifiers(self) -> dict:
         """Read by megatron-core when hashing a dataset's cache key, so a new tokenizer never hits an old cache."""
         return {"class": type(self).__name__, **self.fingerprint().to_dict()}
 
+    def __getstate__(self) -> dict:  # pickled as its spec (for worker processes), rebuilt on arrival
+        return {"spec": self.spec}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spec"])
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+        return f"{type(self).__name__}({str(self.spec)!r}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
 def _require_file(path: Path, what: str) -> Path:
@@ -92,16 +100,17 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str | Path) -> None:
         import sentencepiece
 
-        self.spec = Path(path)
-        self.path = _require_file(Path(path), "sentencepiece model")
+        self.spec = path = _require_file(Path(path), "sentencepiece model")
+        model = path.read_bytes()
+        self.sha256 = hashlib.sha256(model).hexdigest()
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=model)
         except Exception as exc:  # sentencepiece raises OSError/RuntimeError with a terse message
-            raise ValueError(f"cannot load sentencepiece model {self.path}: {exc}") from exc
+            raise ValueError(f"cannot load sentencepiece model {path}: {exc}") from exc
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise ValueError(f"sentencepiece model {self.path} has no eos piece to use as end-of-document")
+            raise ValueError(f"sentencepiece model {path} has no eos piece to use as end-of-document")
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod
 
     def tokenize(self, text: str) -> list[int]:
@@ -109,12 +118,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: list[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
-
-    def __getstate__(self) -> dict:  # pickled as its path (for worker processes), reloaded on arrival
-        return {"spec": self.spec}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"])
 
 
 class HFTokenizer(Tokenizer):
@@ -133,16 +136,18 @@ class HFTokenizer(Tokenizer):
             if config_path.is_file():
                 config = json.loads(config_path.read_text(encoding="utf-8"))
             path = path / "tokenizer.json"
-        self.path = _require_file(path, "tokenizer.json")
+        path = _require_file(path, "tokenizer.json")
+        model = path.read_bytes()
+        self.sha256 = hashlib.sha256(model).hexdigest()
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+            self._tok = tokenizers.Tokenizer.from_str(model.decode("utf-8"))
         except Exception as exc:
-            raise ValueError(f"cannot load HF tokenizer {self.path}: {exc}") from exc
+            raise ValueError(f"cannot load HF tokenizer {path}: {exc}") from exc
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eod = self._special_id(config.get("eos_token"), _EOD_NAMES)
         if eod is None:
             raise ValueError(
-                f"HF tokenizer {self.path} has none of the end-of-document tokens {_EOD_NAMES}; "
+                f"HF tokenizer {path} has none of the end-of-document tokens {_EOD_NAMES}; "
                 "put a tokenizer_config.json with an `eos_token` beside it"
             )
         self.eod = eod
@@ -164,11 +169,25 @@ class HFTokenizer(Tokenizer):
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def __getstate__(self) -> dict:
-        return {"spec": self.spec}
 
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"])
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0-255, eod 256, pad 257; no file. For mock data and tests, where the model's vocabulary
+    size is all that matters: `vocab_size` is the given size (at least 258), ids above 257 never occur."""
+
+    kind = "bytes"
+
+    def __init__(self, vocab_size: int = 258) -> None:
+        if vocab_size < 258:
+            raise ValueError(f"vocab_size={vocab_size}: a byte tokenizer needs at least 258 ids (256 bytes, eod, pad)")
+        self.spec = vocab_size
+        self.sha256 = hashlib.sha256(b"utf-8 bytes, eod 256, pad 257").hexdigest()
+        self.vocab_size, self.eod, self.pad = vocab_size, 256, 257
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
 def build_tokenizer(spec: str | Path) -> Tokenizer:
