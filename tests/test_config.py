@@ -147,6 +147,7 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
     (["parallel.tp=4", "parallel.sequence_parallel=true", "train.seq_length=260"], 8,
      "train.seq_length=260 must be a multiple of 8 (cp, times tp under sequence parallel)"),
     (["parallel.cp_strategy=a2a", "train.seq_length=258"], 2, "must be a multiple of 4 (2·cp zigzag chunks)"),
+    (["model.preset=tiny-gqa", "parallel.cp=4", "parallel.cp_strategy=a2a"], 4, "a2a splits the 8 query and 2 KV"),
     (["train.global_batch_size=3"], 2,
      "train.global_batch_size=3 is not a multiple of train.micro_batch_size·dp = 2·1"),
     (["parallel.pp=3"], 6, "parallel.pp=3 must divide model.num_layers=2"),

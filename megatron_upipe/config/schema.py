@@ -105,7 +105,8 @@ class ParallelConfig:
     cp: int = 1  # context parallel
     dp: int | None = None  # data parallel; null = world_size / (tp*pp*cp), else it must equal that
     cp_strategy: CpStrategy = "none"  # none | ulysses | upipe | TE's p2p, a2a, a2a+p2p
-    upipe_heads_per_stage: int | None = None  # U, summed over the cp ranks; null = the smallest legal value
+    # U: heads per stage, counted over the cp ranks, out of the heads local to one TP rank; null = smallest legal.
+    upipe_heads_per_stage: int | None = None
     sequence_parallel: bool = False  # megatron sequence parallelism inside the TP group (needs tp > 1)
 
     def __post_init__(self) -> None:

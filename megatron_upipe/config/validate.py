@@ -117,7 +117,10 @@ def validate(config: Config, world_size: int) -> Plan:
         errors.append(f"model.num_query_groups={G} (KV heads) is not divisible by parallel.tp={p.tp}: choose tp "
                       f"dividing {G}")
     U = None
-    if not (H % p.tp or G % p.tp) and p.cp_strategy in ("ulysses", "upipe", "a2a"):
+    if not (H % p.tp or G % p.tp) and p.cp_strategy == "a2a" and (local_h % p.cp or local_g % p.cp):
+        errors.append(f"parallel.cp={p.cp}: TransformerEngine's a2a splits the {local_h} query and {local_g} KV heads "
+                      f"per TP rank over the cp ranks without KV replication: choose cp dividing both, or upipe")
+    if not (H % p.tp or G % p.tp) and p.cp_strategy in ("ulysses", "upipe"):
         requested = p.upipe_heads_per_stage if p.cp_strategy == "upipe" else local_h
         try:
             U = resolve_heads_per_stage(local_h, local_g, p.cp, requested)
