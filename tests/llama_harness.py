@@ -20,6 +20,7 @@ class RunResult:
     losses: list[float]
     grads: dict[str, torch.Tensor]  # HF name -> full gradient after the first step's reduction
     params: dict[str, torch.Tensor]  # HF name -> full parameter after the last optimizer step
+    qkv_forward_calls: int  # calls of linear_qkv.forward on this rank (UPipe/Ulysses must project per stage)
 
 
 def random_hf_state_dict(arch, vocab_size: int, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
@@ -75,6 +76,10 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
         config = stage.config
         offset = get_transformer_layer_offset(config, pp_rank=pg.pp.rank())
         load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)
+        qkv_calls = [0]
+        for name, module in stage.model.named_modules():
+            if name.endswith("linear_qkv"):
+                module.register_forward_hook(lambda *_: qkv_calls.__setitem__(0, qkv_calls[0] + 1))
         ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
             stage.model,
@@ -112,7 +117,7 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
                 grads = _gather_stage(named, arch, vocab, pg, offset)
             optimizer.step()
         params = _gather_stage(list(stage.model.named_parameters()), arch, vocab, pg, offset)
-        return RunResult(losses, grads, params)
+        return RunResult(losses, grads, params, qkv_calls[0])
     finally:
         destroy_parallel()
 
