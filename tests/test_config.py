@@ -156,7 +156,6 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
     (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel=true needs parallel.tp > 1"),
     (["parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=2"], 2,
      "parallel.upipe_heads_per_stage=2 is only used"),
-    (["parallel.cp=1", "parallel.cp_strategy=ulysses"], 1, "does nothing with parallel.cp=1"),
     (["train.min_lr=0.1"], 2, "train.min_lr=0.1 must be in [0, train.lr=0.001]"),
     (["train.lr=0"], 2, "train.lr=0.0 must be positive"),
     (["train.warmup_steps=50"], 2, "train.warmup_steps=50 must be below the decay horizon 50"),
@@ -188,6 +187,8 @@ def test_validate_derives_without_rewriting():
     assert (plan.dp, plan.global_batch_size, plan.num_microbatches, plan.heads_per_stage) == (2, 4, 1, 2)
     assert c.train.global_batch_size is None and c.parallel.dp is None and c.parallel.upipe_heads_per_stage is None
     assert validate(load_config(TINY, ["parallel.upipe_heads_per_stage=8"]), 2).upipe_stages == 1
+    one = validate(load_config(TINY, ["parallel.cp=1"]), 1)  # UPipe without CP: stages of one head
+    assert (one.heads_per_stage, one.upipe_stages) == (1, 8)
     pp = validate(load_config(TINY, ["parallel.pp=2", "train.global_batch_size=2"]), 4)
     assert "mostly idle" in pp.warnings[0]
 

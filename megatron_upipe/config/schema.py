@@ -104,7 +104,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel
     cp: int = 1  # context parallel
     dp: int | None = None  # data parallel; null = world_size / (tp*pp*cp), else it must equal that
-    cp_strategy: CpStrategy = "none"  # none | ulysses | upipe | TE's p2p, a2a, a2a+p2p
+    # none | ulysses | upipe | TE's p2p, a2a, a2a+p2p. Allowed with cp=1 (one code path for cp sweeps; UPipe's
+    # head stages still cut attention memory there).
+    cp_strategy: CpStrategy = "none"
     # U: heads per stage, counted over the cp ranks, out of the heads local to one TP rank; null = smallest legal.
     upipe_heads_per_stage: int | None = None
     sequence_parallel: bool = False  # megatron sequence parallelism inside the TP group (needs tp > 1)
@@ -116,9 +118,6 @@ class ParallelConfig:
             (self.cp > 1 and self.cp_strategy == "none",
              f"parallel.cp={self.cp} needs a context-parallel algorithm: set parallel.cp_strategy to upipe "
              f"(or ulysses, p2p, a2a, a2a+p2p), or parallel.cp=1"),
-            (self.cp == 1 and self.cp_strategy not in ("none", "upipe"),
-             f"parallel.cp_strategy={self.cp_strategy} does nothing with parallel.cp=1: set parallel.cp > 1 or "
-             f"parallel.cp_strategy=none (upipe with cp=1 is allowed: head stages still cut attention memory)"),
             (self.upipe_heads_per_stage is not None and self.cp_strategy != "upipe",
              f"parallel.upipe_heads_per_stage={self.upipe_heads_per_stage} is only used by "
              f"parallel.cp_strategy=upipe (got {self.cp_strategy}): remove it or set cp_strategy=upipe"),
