@@ -2,7 +2,7 @@
 
 Pure torch + torch.distributed; this package never imports training code. Modules, in import order:
 schedule (which heads go where per stage), comm (all-to-all resharding), rope, kernels (local attention with an
-explicit backward), upipe / ulysses (the two strategies), api (checked public functions).
+explicit backward), upipe (the stage loop for UPipe and, with one stage, Ulysses), api (checked public functions).
 """
 
 from .api import ulysses_attention, ulysses_attention_grouped, upipe_attention, upipe_attention_grouped

@@ -18,7 +18,6 @@ from .comm import group_size
 from .kernels import select_kernel
 from .rope import rope_cos_sin
 from .schedule import make_schedule
-from .ulysses import ulysses_forward
 from .upipe import StageOp, UPipeFunction
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -59,15 +58,15 @@ def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
 
 
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
-             all_heads: bool = False):
+             ulysses: bool = False):
     C = group_size(cp_group)
     _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C)
     G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
-    schedule = make_schedule(G * g, G, C, G * g if all_heads else heads_per_stage)
+    schedule = make_schedule(G * g, G, C, G * g if ulysses else heads_per_stage)
     chosen = select_kernel(x.device, x.dtype, d, kernel)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
-    op = StageOp(schedule, cp_group, rank, chosen, causal, scale)
+    op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses)
     rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)
     return op, rope
 
@@ -89,9 +88,12 @@ def upipe_attention_grouped(
 def ulysses_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
 ):
-    """Plain Ulysses with grouped weights (see `upipe_attention_grouped`)."""
-    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, all_heads=True)
-    return ulysses_forward(x, w_q, w_k, w_v, rope, op)
+    """Plain Ulysses with grouped weights (see `upipe_attention_grouped`): one stage of all H heads whose q, k, v
+    and out stay in head layout for backward, as DeepSpeed's DistributedAttention over flash attention keeps them.
+    It shares UPipe's projection, RoPE and all-to-all code, so the two differ only in what they keep alive."""
+    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True)
+    cos, sin = rope if rope is not None else (None, None)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, cos, sin, op)
 
 
 def _group_weights(x, w_q, w_k, w_v, num_heads: int, num_kv_heads: int):

@@ -39,34 +39,3 @@ def head_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     dist.all_to_all_single(recv, send, group=group)
     return recv
 
-
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, send, group):
-        ctx.group = group
-        return seq_to_head(send, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return head_to_seq(grad, ctx.group), None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return head_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_head(grad, ctx.group), None
-
-
-def seq_to_head_autograd(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Differentiable seq_to_head (used by the plain Ulysses baseline)."""
-    return _SeqToHead.apply(send, group)
-
-
-def head_to_seq_autograd(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Differentiable head_to_seq (used by the plain Ulysses baseline)."""
-    return _HeadToSeq.apply(x, group)

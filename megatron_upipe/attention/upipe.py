@@ -14,6 +14,10 @@ Backward, saving only x, the weights, the output buffer and per-stage lse: per r
 recompute q, all-to-all the stage's slices of out and dout into head layout, call the kernel's backward (no
 attention forward recompute), all-to-all dq back, undo RoPE, and accumulate dx and the weight-row gradients;
 dK/dV accumulate over the round's stages (in float32 for 16-bit inputs) and go back once per round.
+
+Plain Ulysses is the same code with one stage of all H heads and `save_heads=True`: q, k, v and out stay alive
+in head layout from forward to backward (what autograd over DeepSpeed's DistributedAttention + flash attention
+keeps), so the baseline and UPipe differ only in what they keep, never in how they compute.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class StageOp:
     kernel: AttentionKernel
     causal: bool
     scale: float
+    # False: UPipe (recompute projections and all-to-alls in backward). True: plain Ulysses behaviour, keeping
+    # q, k, v and out in head layout for backward like DeepSpeed's DistributedAttention over flash attention.
+    save_heads: bool = False
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -95,7 +102,8 @@ def _round_rows(sched: UPipeSchedule, device):
 def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
     """x [s, b, D]; w_q [G, g, d, D]; w_k, w_v [G, d, D]; rope = (cos, sin) [N, rot/2] or None.
 
-    Returns (out [s, b, H·d], lse list per stage).
+    Returns (out [s, b, H·d], lse per stage, kernel aux per stage, (q, k, v, out) head-layout tensors per stage
+    when op.save_heads else []).
     """
     sched = op.schedule
     s, b, D = x.shape
@@ -106,7 +114,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
     stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
     out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
     out_shbd = out.view(s, b, H, d)
-    lses, auxes = [], []
+    lses, auxes, saved = [], [], []
     k_head = v_head = None
     for st, heads, (gi, ji) in zip(sched.stages, stage_heads, stage_rows):
         if st.new_round:
@@ -120,6 +128,8 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
             op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
             v_head[:, :, a0:a1].permute(1, 2, 0, 3), op.causal, op.scale,
         )  # o [b, m, N, d]
+        if op.save_heads:
+            saved.append((q_head, k_head, v_head, o))
         del q_head
         o_seq = head_to_seq(o.permute(2, 0, 1, 3), op.group)  # [N, b, m, d] -> [C, s, b, m, d]
         del o
@@ -128,11 +138,14 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
         del o_seq
         lses.append(lse)
         auxes.append(aux)
-    return out, lses, auxes
+    return out, lses, auxes, saved
 
 
-def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, rope, op: StageOp, needs_dw: bool = True):
-    """Gradients (dx [s, b, D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D]) given dout [s, b, H·d]."""
+def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: StageOp, needs_dw: bool = True):
+    """Gradients (dx [s, b, D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D]) given dout [s, b, H·d].
+
+    `saved` holds the forward's head-layout (q, k, v, out) per stage when op.save_heads (Ulysses); the list is
+    emptied as it is consumed so each stage's tensors die as early as they would under autograd."""
     sched = op.schedule
     s, b, D = x.shape
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
@@ -163,15 +176,20 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, rope, op: StageOp, 
     k_head = v_head = dk_acc = dv_acc = None
     for idx, (st, heads, (gi, ji)) in enumerate(zip(sched.stages, stage_heads, stage_rows)):
         kv = round_kv[st.round_index]
+        w_rows = w_q[gi, ji]  # [U, d, D]
+        if op.save_heads:
+            q_head, k_head, v_head, o_head = saved.pop(0)  # [N, b, m, d], [N, b, n_kv, d] x2, o [b, m, N, d]
+            o_head = o_head.permute(2, 0, 1, 3)  # [N, b, m, d]
+        else:
+            if st.new_round:
+                k_head = v_head = None
+                k_head = _project_to_heads(x2, w_k[kv], local_rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+                v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+            q_head = _project_to_heads(x2, w_rows, local_rope, s, b, C, m, op)  # [N, b, m, d]
+            o_head = seq_to_head(_gather_heads(out_shbd, heads, C), op.group)  # [N, b, m, d]
         if st.new_round:
-            k_head = v_head = None
-            k_head = _project_to_heads(x2, w_k[kv], local_rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-            v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
             dk_acc = torch.zeros(k_head.shape, dtype=acc, device=x.device)  # [N, b, n_kv, d]
             dv_acc = torch.zeros(v_head.shape, dtype=acc, device=x.device)
-        w_rows = w_q[gi, ji]  # [U, d, D]
-        q_head = _project_to_heads(x2, w_rows, local_rope, s, b, C, m, op)  # [N, b, m, d]
-        o_head = seq_to_head(_gather_heads(out_shbd, heads, C), op.group)  # [N, b, m, d]
         do_head = seq_to_head(_gather_heads(dout_shbd, heads, C), op.group)  # [N, b, m, d]
         a0, a1 = st.kv_slots
         dq, dk, dv = kernel_backward(
@@ -201,9 +219,9 @@ class UPipeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_q, w_k, w_v, rope_cos, rope_sin, op: StageOp):
         rope = None if rope_cos is None else (rope_cos, rope_sin)
-        out, lses, auxes = upipe_forward(x, w_q, w_k, w_v, rope, op)
+        out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op)
         ctx.save_for_backward(x, w_q, w_k, w_v, out, rope_cos, rope_sin)
-        ctx.lses, ctx.auxes, ctx.op = lses, auxes, op
+        ctx.lses, ctx.auxes, ctx.saved, ctx.op = lses, auxes, saved, op
         return out
 
     @staticmethod
@@ -211,6 +229,9 @@ class UPipeFunction(torch.autograd.Function):
         x, w_q, w_k, w_v, out, rope_cos, rope_sin = ctx.saved_tensors
         rope = None if rope_cos is None else (rope_cos, rope_sin)
         needs_dw = any(ctx.needs_input_grad[1:4])
-        dx, dw_q, dw_k, dw_v = upipe_backward(dout, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, rope, ctx.op, needs_dw)
+        saved, ctx.saved = ctx.saved, None
+        dx, dw_q, dw_k, dw_v = upipe_backward(
+            dout, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, saved, rope, ctx.op, needs_dw
+        )
         ctx.lses = ctx.auxes = None
         return dx, dw_q, dw_k, dw_v, None, None, None
