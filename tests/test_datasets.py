@@ -48,6 +48,10 @@ def test_parse_data_path():
             parse_data_path(bad)
     with pytest.raises(FileNotFoundError, match="preprocess_data"):
         GPTDataConfig(data_path=("/nonexistent/prefix",), seq_length=8)
+    assert GPTDataConfig(data_path=(PREFIX,), seq_length=8, split=(969, 30, 1)).split_weights == [969, 30, 1]
+    for bad_split in ("98,2", "a,b,c", "0,0,0", (1, -1, 0)):
+        with pytest.raises(ValueError, match="split"):
+            GPTDataConfig(data_path=(PREFIX,), seq_length=8, split=bad_split)
 
 
 def test_samples_have_the_right_shape_and_come_from_the_index(corpus, tokenizer):

@@ -64,13 +64,17 @@ class GPTDataConfig:
     data_path: tuple[str, ...]  # see parse_data_path
     seq_length: int
     seed: int = 1234
-    split: str = "98,2,0"  # train,valid,test weights over documents; ignored for mock data
+    split: str | tuple[float, float, float] = "98,2,0"  # train,valid,test weights over documents; not for mock
     create_attention_mask: bool = False
     eod_mask_loss: bool = False  # zero the loss on predicting the end-of-document token
 
     def __post_init__(self) -> None:
         if self.seq_length < 1:
             raise ValueError(f"seq_length={self.seq_length} must be >= 1")
+        weights = self.split_weights  # validates
+        if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"split={self.split!r} must be three non-negative weights (train, valid, test), "
+                             "not all zero")
         blend = parse_data_path(self.data_path)  # validates
         if blend is not None:
             for prefix in blend[0]:
@@ -78,6 +82,14 @@ class GPTDataConfig:
                     if not Path(prefix + ext).is_file():
                         raise FileNotFoundError(f"indexed dataset file not found: {prefix + ext} "
                                                 "(make it with tools/preprocess_data.py)")
+
+    @property
+    def split_weights(self) -> list[float]:
+        parts = self.split.replace("/", ",").split(",") if isinstance(self.split, str) else self.split
+        try:
+            return [float(w) for w in parts]
+        except ValueError:
+            raise ValueError(f"split={self.split!r} is not three comma-separated numbers") from None
 
     @property
     def is_mock(self) -> bool:
@@ -101,7 +113,6 @@ def build_gpt_datasets(
     """Train/valid/test datasets with at least `num_samples` samples each (None: one pass over that split's
     documents; a split of weight 0 gives None). Call it on every rank when a process group exists."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     blend = parse_data_path(config.data_path)
@@ -109,8 +120,8 @@ def build_gpt_datasets(
     if len(sizes) != 3:
         raise ValueError(f"num_samples={num_samples} must give (train, valid, test)")
     if blend is not None and blend[1] is not None:  # megatron needs a size for every split of a weighted blend
-        for i, fraction in enumerate(parse_and_normalize_split(config.split)):
-            if sizes[i] is None and fraction > 0:
+        for i, weight in enumerate(config.split_weights):
+            if sizes[i] is None and weight > 0:
                 raise ValueError(f"a weighted data_path needs a sample count for split {i} (split={config.split!r})")
             sizes[i] = 0 if sizes[i] is None else sizes[i]
     cache_dir = Path(cache_dir)
@@ -119,7 +130,7 @@ def build_gpt_datasets(
         random_seed=config.seed,
         sequence_length=config.seq_length,
         blend=blend,
-        split=None if blend is None else config.split,
+        split=None if blend is None else ",".join(str(w) for w in config.split_weights),
         path_to_cache=str(cache_dir),
         tokenizer=tokenizer,
         reset_position_ids=False,
