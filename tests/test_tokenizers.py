@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import runpy
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,11 @@ def test_training_is_deterministic_and_reproduces_the_shipped_model(tmp_path):
     assert first.read_bytes() == second.read_bytes() == SPM.read_bytes()
     with pytest.raises(ValueError, match="vocab_size"):
         SentencePieceTrainingConfig(vocab_size=100)
+
+
+def test_train_tokenizer_cli(tmp_path, monkeypatch, capsys):
+    argv = ["train_tokenizer.py", "--input", str(REPO / "data" / "corpus"), "--model-prefix", str(tmp_path / "spm")]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(REPO / "tools" / "train_tokenizer.py"), run_name="__main__")
+    assert "vocab_size=4096 eod=2 pad=3" in capsys.readouterr().out
+    assert (tmp_path / "spm.model").read_bytes() == SPM.read_bytes()
