@@ -198,9 +198,8 @@ def _single_process_stage(arch: LlamaArch, vocab_size: int):
     from megatron_upipe.parallel import ParallelLayout, initialize_parallel
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        store = dist.HashStore()  # one process: no rendezvous, no port
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     layout = ParallelLayout()
     pg = initialize_parallel(layout)
     return build_llama(arch, layout, pg, vocab_size=vocab_size), pg
