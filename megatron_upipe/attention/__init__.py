@@ -1,22 +1,33 @@
 """Ulysses-style context-parallel attention ops: UPipe (headwise-chunked) and the plain Ulysses baseline.
 
 Pure torch + torch.distributed; this package never imports training code. Modules, in import order:
-schedule (which heads go where per stage), comm (all-to-all resharding), rope, kernels (local attention with an
-explicit backward), upipe (the stage loop for UPipe and, with one stage, Ulysses), api (checked public functions).
+schedule (which heads go where per stage; pure Python), comm (all-to-all resharding), rope, kernels (local
+attention with an explicit backward), upipe (the stage loop for UPipe and, with one stage, Ulysses), api (checked
+public functions), reference (float64 full attention for tests and benchmarks).
+
+Names are imported lazily so that `megatron_upipe.attention.schedule` (used by config validation and the
+memory planner) does not pull in torch.
 """
 
-from .api import ulysses_attention, ulysses_attention_grouped, upipe_attention, upipe_attention_grouped
-from .kernels import KERNELS, select_kernel
-from .schedule import UPipeSchedule, legal_heads_per_stage, make_schedule
+from __future__ import annotations
 
-__all__ = [
-    "upipe_attention",
-    "ulysses_attention",
-    "upipe_attention_grouped",
-    "ulysses_attention_grouped",
-    "legal_heads_per_stage",
-    "make_schedule",
-    "UPipeSchedule",
-    "select_kernel",
-    "KERNELS",
-]
+import importlib
+
+_EXPORTS = {
+    "upipe_attention": "api",
+    "ulysses_attention": "api",
+    "upipe_attention_grouped": "api",
+    "ulysses_attention_grouped": "api",
+    "legal_heads_per_stage": "schedule",
+    "make_schedule": "schedule",
+    "UPipeSchedule": "schedule",
+    "select_kernel": "kernels",
+    "KERNELS": "kernels",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
