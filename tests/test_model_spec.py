@@ -1,0 +1,88 @@
+"""Layout validation, the cp_strategy -> spec mapping's refusals, the CP batch split and vocab padding.
+
+Single process, no process group: every check here fails before any collective would run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_upipe.cp_batch import split_sequence
+from megatron_upipe.parallel import ParallelLayout
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tp=0), "positive integer"),
+        (dict(cp=2), "cp_strategy other than 'none'"),
+        (dict(cp=2, cp_strategy="ring"), "unknown"),
+        (dict(sequence_parallel=True), "needs tp > 1"),
+        (dict(cp=2, cp_strategy="upipe", upipe_heads_per_stage=0), "positive"),
+    ],
+)
+def test_layout_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout(**kwargs)
+
+
+def test_layout_world_size_and_name():
+    layout = ParallelLayout(tp=2, pp=2, cp=4, dp=3, sequence_parallel=True, cp_strategy="upipe",
+                            upipe_heads_per_stage=4)
+    assert layout.world_size == 48
+    assert layout.describe() == "tp2+sp-pp2-cp4:upipe(U=4)-dp3"
+
+
+def _config(**layout_kwargs):
+    from megatron_upipe.models.llama import llama_transformer_config
+    from megatron_upipe.models.presets import get_preset
+
+    layout = ParallelLayout(**layout_kwargs)
+    return llama_transformer_config(get_preset("tiny-gqa"), layout), layout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="TE strategies may be available on a GPU machine")
+@pytest.mark.parametrize("strategy", ["p2p", "a2a", "a2a+p2p"])
+def test_te_strategy_without_te_is_a_clear_error(strategy):
+    from megatron_upipe.models.spec import build_cp_plan
+
+    config, layout = _config(cp=2, cp_strategy=strategy)
+    with pytest.raises(ValueError, match="TransformerEngine's context parallelism"):
+        build_cp_plan(config, layout)
+
+
+def test_headwise_cp_refusals():
+    from megatron_upipe.models.spec import build_cp_plan
+
+    config, layout = _config(cp=2, cp_strategy="upipe")
+    with pytest.raises(ValueError, match="add_qkv_bias=False"):
+        build_cp_plan(dataclasses.replace(config, add_qkv_bias=True), layout)
+    config, layout = _config(tp=4, cp=2, cp_strategy="ulysses")  # 2 query groups over 4 TP ranks
+    with pytest.raises(ValueError, match="num_query_groups=2 is not a multiple of tp=4"):
+        build_cp_plan(config, layout)
+    config, layout = _config(cp=2, cp_strategy="ulysses", upipe_heads_per_stage=2)
+    with pytest.raises(ValueError, match="only applies to 'upipe'"):
+        build_cp_plan(config, layout)
+
+
+def test_sequence_splits():
+    t = torch.arange(16).view(1, 16)  # [b, N]
+    assert [split_sequence(t, "contiguous", r, 4).tolist() for r in range(4)] == [
+        [list(range(4 * r, 4 * r + 4))] for r in range(4)
+    ]
+    # zigzag: 2C chunks, rank r keeps r and 2C-1-r (megatron-core's get_batch_on_this_cp_rank)
+    assert split_sequence(t, "zigzag", 0, 4).tolist() == [[0, 1, 14, 15]]
+    assert split_sequence(t, "zigzag", 3, 4).tolist() == [[6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        split_sequence(torch.zeros(1, 12), "zigzag", 0, 4)
+
+
+def test_padded_vocab_is_tp_invariant():
+    from megatron_upipe.models.llama import padded_vocab_size
+
+    assert {padded_vocab_size(128256, tp) for tp in (1, 2, 4, 8)} == {128256}
+    assert {padded_vocab_size(250, tp) for tp in (1, 2, 4)} == {256}
+    assert padded_vocab_size(100, 3) == 384
