@@ -50,12 +50,14 @@ class ParallelLayout:
         return f"tp{self.tp}{sp}-pp{self.pp}-cp{self.cp}:{self.cp_strategy}{u}-dp{self.dp}"
 
 
-def initialize_parallel(layout: ParallelLayout, seed: int = 1234):
+def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None):
     """Initialise megatron-core's parallel state for `layout` on the already-initialised default process group.
 
     Installs the CPU adaptation first when there is no GPU, seeds the CPU generator and megatron's RNG tracker,
     and returns megatron's `ProcessGroupCollection` (tp, pp, cp, dp, dp_cp, ...) to pass down explicitly.
-    Call `destroy_parallel()` before initialising another layout in the same processes.
+    `timeout_s` bounds every collective on megatron's groups (None: megatron-core's 30 minutes), so a dead or hung
+    peer ends the job instead of blocking it. Call `destroy_parallel()` before initialising another layout in the
+    same processes.
     """
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -74,6 +76,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234):
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
