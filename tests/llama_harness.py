@@ -57,7 +57,7 @@ def _forward_step(data_iterator, model):
 
 
 def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
-               clip_grad: float = 1.0) -> RunResult:
+               clip_grad: float = 1.0, recompute_granularity: str | None = None) -> RunResult:
     """Called on every rank of a job of layout.world_size ranks; returns the same RunResult on every rank."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -66,13 +66,14 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
 
     from megatron_upipe.checkpoint.hf_convert import load_hf_into_model, stage_to_hf
     from megatron_upipe.cp_batch import split_batch
-    from megatron_upipe.models.llama import build_llama
+    from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
 
     vocab = hf_sd["model.embed_tokens.weight"].shape[0]
     pg = initialize_parallel(layout)
     try:
-        stage = build_llama(arch, layout, pg, vocab_size=vocab)
+        config = llama_transformer_config(arch, layout, recompute_granularity=recompute_granularity)
+        stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config)
         config = stage.config
         offset = get_transformer_layer_offset(config, pp_rank=pg.pp.rank())
         load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)

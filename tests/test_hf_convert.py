@@ -1,7 +1,7 @@
 """HF LlamaForCausalLM <-> our megatron-core checkpoint, through the CLI (tools/convert_hf_llama.py).
 
-A tiny random HF Llama with GQA (8 query heads, 2 KV heads; vocab 250, padded to 256 on our side; random norm
-weights) is converted; under tp=2 × cp=2 UPipe (loaded by megatron-core's dist_checkpointing with resharding)
+A tiny random HF Llama with GQA (8 query heads, 2 KV heads, head dim 16 so H·d != D as in qwen3-32b; vocab 250,
+padded to 256 on our side; random norm weights) is converted; under tp=2 × cp=2 UPipe (loaded by megatron-core's dist_checkpointing with resharding)
 our logits equal HF's (float32, max abs error <= 2e-5, measured 1.7e-6, logits up to ~3), and converting back
 reproduces every HF tensor bit for bit.
 """
@@ -66,7 +66,8 @@ def test_hf_roundtrip_and_logits_under_tp2_cp2_upipe(tmp_path):
     from megatron_upipe.models.presets import get_preset
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(hf_config_from_arch(get_preset("tiny-gqa"), VOCAB)).float().eval()
+    arch = get_preset("tiny-gqa").replace(kv_channels=16)  # H·d = 128 != D = 64, like qwen3-32b
+    hf = LlamaForCausalLM(hf_config_from_arch(arch, VOCAB)).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))

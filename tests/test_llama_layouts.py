@@ -2,7 +2,7 @@
 
 One 4-rank job runs all layouts one after another (megatron's parallel state is rebuilt per layout): the
 reference (no TP/PP/CP, dp4: every rank trains the full batch), then TP2+SP, PP2, and CP2/CP4 with Ulysses and
-UPipe for every legal U, combined with DP2, TP2+SP and PP2. Every layout loads the same HF-named weights and
+UPipe for every legal U, combined with DP2, TP2+SP and PP2, and CP2 UPipe with full activation recompute. Every layout loads the same HF-named weights and
 trains 3 Adam steps (grad clipping on) on the same global batch. Compared: the loss at every step (rtol 1e-5),
 every parameter's gradient after the first step (relative norm error <= 1e-5; this covers the gradient
 reduction over data- and context-parallel ranks, the SP norm all-reduce and the PP embedding/output split) and
@@ -31,6 +31,7 @@ LAYOUTS = [
     *[dict(tp=2, sequence_parallel=True, cp=2, cp_strategy="upipe", upipe_heads_per_stage=u) for u in (2, 4)],
     dict(pp=2, cp=2, cp_strategy="upipe"),
 ]
+RECOMPUTE = dict(cp=2, dp=2, cp_strategy="upipe")  # again with full activation recompute (the paper's setting)
 
 
 def _job(rank, world_size, layouts):
@@ -45,6 +46,10 @@ def _job(rank, world_size, layouts):
     for kw in [dict(dp=world_size)] + layouts:
         layout = ParallelLayout(**kw)
         results[layout.describe()] = (layout.cp_strategy, run_layout(layout, arch, hf_sd, tokens, steps=STEPS))
+    layout = ParallelLayout(**RECOMPUTE)
+    results[layout.describe() + "+recompute"] = (
+        layout.cp_strategy, run_layout(layout, arch, hf_sd, tokens, steps=STEPS, recompute_granularity="full")
+    )
     return results
 
 
@@ -58,7 +63,7 @@ def results():
 
 
 def test_all_layouts_ran(results):
-    assert len(results[0]) == len(LAYOUTS) + 1
+    assert len(results[0]) == len(LAYOUTS) + 2
 
 
 def test_losses_gradients_and_parameters_match_reference(results):
