@@ -1,0 +1,60 @@
+#!/bin/bash
+# One node, N GPUs, no Slurm: resolve the config into a run directory, check it, launch one torchrun.
+#
+#   bash examples/torchrun_single_node.sh [section.key=value ...]
+#   CONFIG=examples/configs/tiny_cpu.yaml NPROC_PER_NODE=2 bash examples/torchrun_single_node.sh train.steps=3
+#
+# Arguments are config overrides: the config resolved with them is written to $RUN_DIR/config.yaml, and that
+# file is what every rank reads. Optional environment:
+#   CONFIG          config file (default: examples/configs/llama3_8b_upipe_8xh100.yaml)
+#   RUN_DIR         run directory (default: runs/<config name>-<date-time>); log.metrics_file goes there
+#   NPROC_PER_NODE  ranks (default: the GPUs nvidia-smi lists)
+#   MASTER_PORT     rendezvous port (default: 29500)
+#   VENV            virtual environment to activate if present (default: .venv; VENV=none for none)
+#   PYTHON          interpreter that resolves the config (default: python)
+#   EXTRA_ARGS      extra pretrain_llama.py flags, e.g. --dry-run to test the launch without training
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+if [ "$VENV" != none ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
+PYTHON=${PYTHON:-python}
+CONFIG=${CONFIG:-examples/configs/llama3_8b_upipe_8xh100.yaml}
+RUN_DIR=${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)-$(date +%Y%m%d-%H%M%S)}
+NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+if [ "${NPROC_PER_NODE:-0}" -lt 1 ]; then
+  echo "error: no GPU found by nvidia-smi: set NPROC_PER_NODE (and dist.backend=gloo for CPU ranks)" >&2
+  exit 2
+fi
+MASTER_PORT=${MASTER_PORT:-29500}
+read -r -a train_extra <<<"${EXTRA_ARGS:-}"
+
+export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # as memory.expandable_segments
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # megatron-core's comm/compute ordering
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a failed collective ends the job
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+
+# The resolved config, overrides included, is the run's record and its only input.
+mkdir -p "$RUN_DIR"
+OVERRIDES=(
+  "log.metrics_file=$RUN_DIR/metrics.jsonl"
+  "$@"
+)
+"$PYTHON" pretrain_llama.py --config "$CONFIG" "${OVERRIDES[@]}" --print-config >"$RUN_DIR/config.yaml"
+"$PYTHON" pretrain_llama.py --config "$RUN_DIR/config.yaml" --dry-run --world-size "$NPROC_PER_NODE"
+
+TORCHRUN_ARGS=(
+  --nnodes 1
+  --nproc-per-node "$NPROC_PER_NODE"
+  --rdzv-backend c10d
+  --rdzv-endpoint "localhost:$MASTER_PORT"
+  --max-restarts 0
+)
+TRAIN_ARGS=(
+  --config "$RUN_DIR/config.yaml"
+  "${train_extra[@]}"
+)
+
+echo "run dir: $RUN_DIR; $NPROC_PER_NODE ranks"
+torchrun "${TORCHRUN_ARGS[@]}" pretrain_llama.py "${TRAIN_ARGS[@]}"
