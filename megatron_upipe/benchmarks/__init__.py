@@ -1,0 +1,1 @@
+"""Benchmarks that check numerics before they time anything."""
