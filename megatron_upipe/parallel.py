@@ -64,6 +64,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_upipe.compat.cpu import install_cpu_patches
+    from megatron_upipe.compat.mcore import check_megatron_core_version
 
     if not dist.is_initialized():
         raise RuntimeError("initialize torch.distributed (e.g. torchrun + init_process_group) before the layout")
@@ -71,6 +72,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
         raise ValueError(
             f"layout {layout.describe()} needs {layout.world_size} ranks but the job has {dist.get_world_size()}"
         )
+    check_megatron_core_version()
     install_cpu_patches()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,

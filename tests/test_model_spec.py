@@ -86,3 +86,28 @@ def test_padded_vocab_is_tp_invariant():
     assert {padded_vocab_size(128256, tp) for tp in (1, 2, 4, 8)} == {128256}
     assert {padded_vocab_size(250, tp) for tp in (1, 2, 4)} == {256}
     assert padded_vocab_size(100, 3) == 384
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "qwen3-32b"])
+def test_paper_presets_translate_to_megatron_config(preset):
+    from megatron_upipe.models.presets import get_preset
+    from megatron_upipe.models.spec import build_cp_plan
+
+    arch = get_preset(preset)
+    layout = ParallelLayout(tp=8, cp=8, pp=2, sequence_parallel=True, cp_strategy="upipe")
+    from megatron_upipe.models.llama import llama_transformer_config
+
+    config = llama_transformer_config(arch, layout, dtype=torch.bfloat16)
+    assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (
+        arch.num_attention_heads, arch.num_query_groups, arch.kv_channels)
+    assert config.gated_linear_unit and config.normalization == "RMSNorm" and not config.add_bias_linear
+    assert config.layernorm_epsilon == arch.norm_epsilon and config.bf16
+    plan = build_cp_plan(config, layout, pp_rank=1)
+    assert len(plan.block_spec.layer_specs) == arch.num_layers // 2
+    assert plan.sequence_split == "contiguous" and plan.rope_full_sequence
+
+
+def test_mcore_version_is_the_tested_one():
+    from megatron_upipe.compat.mcore import check_megatron_core_version
+
+    assert check_megatron_core_version()

@@ -94,6 +94,12 @@ def _patch_devices() -> None:
 def _patch_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state"):
+        if not hasattr(mrandom, name):
+            raise RuntimeError(
+                f"megatron.core.tensor_parallel.random.{name} is gone in this megatron-core version: update "
+                f"megatron_upipe/compat/cpu.py (tested with megatron-core 0.19.2)"
+            )
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
