@@ -12,9 +12,11 @@ Layout at this interface: q, out, dout [b, hq, N, d]; k, v [b, hkv, N, d] (hq a 
 kernel's backward needs (RNG offsets, cumulative lengths), opaque to callers.
 
 Kernels: `cpu_flash` (aten's CPU flash attention, every float dtype), on CUDA `sdpa_flash`, `sdpa_efficient`,
-`sdpa_cudnn` (PyTorch's fused SDPA ops) and `flash_attn` (Dao-AILab flash-attn, when installed). Kernels without
-native GQA get K/V expanded to the query heads and their gradients summed back. `select_kernel` picks one
-automatically (overridable by name) and logs the choice once per (kernel, device, dtype).
+`sdpa_cudnn` (PyTorch's fused SDPA ops), `flash_attn` (Dao-AILab flash-attn, when installed) and `te_fused`
+(TransformerEngine's cuDNN fused attention, when installed; by name only). Kernels without native GQA get K/V
+expanded to the query heads and their gradients summed back. `select_kernel` picks one automatically
+(flash_attn, then sdpa_flash, sdpa_efficient, cpu_flash; overridable by name) and logs the choice once per
+(kernel, device, dtype).
 """
 
 from __future__ import annotations
@@ -133,6 +135,42 @@ def _fa_bwd(dout, q, k, v, out, lse, aux, causal, scale):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+# ------------------------------------------------------------- TransformerEngine fused attention (optional)
+# TE's cuDNN fused attention in "sbhd" layout, which is our head-layout buffers' memory order. Its Python
+# wrappers (transformer_engine.pytorch.cpp_extensions.fused_attn_fwd/_bwd, TE 2.x) are called by keyword; the
+# softmax statistics (lse) are aux[0], the RNG state aux[1]. Opt-in by name only (kernel="te_fused"): unverified
+# in this workplace, which has neither CUDA nor TE (see tests/test_kernels.py).
+def _te_fwd(q, k, v, causal, scale):
+    from transformer_engine.pytorch.cpp_extensions import fused_attn_fwd
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+
+    b, _, n, _ = q.shape
+    cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+    out, aux = fused_attn_fwd(
+        is_training=True, max_seqlen_q=n, max_seqlen_kv=n, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+        q=q.permute(2, 0, 1, 3), k=k.permute(2, 0, 1, 3), v=v.permute(2, 0, 1, 3), fake_dtype=q.dtype,
+        fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale,
+        qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal" if causal else "no_mask",
+    )  # out [N, b, h, d]
+    return out.permute(1, 2, 0, 3), aux[0], (cu, list(aux))
+
+
+def _te_bwd(dout, q, k, v, out, lse, aux, causal, scale):
+    from transformer_engine.pytorch.cpp_extensions import fused_attn_bwd
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+    from transformer_engine.pytorch.constants import TE_DType
+
+    cu, aux_tensors = aux
+    n = q.shape[2]
+    sbhd = (t.permute(2, 0, 1, 3) for t in (q, k, v, out, dout))
+    dq, dk, dv, *_ = fused_attn_bwd(
+        n, n, cu, cu, *sbhd, fake_dtype=q.dtype, dqkv_dtype=TE_DType[q.dtype], aux_ctx_tensors=aux_tensors,
+        fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale,
+        qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal" if causal else "no_mask",
+    )
+    return dq.permute(1, 2, 0, 3), dk.permute(1, 2, 0, 3), dv.permute(1, 2, 0, 3)
+
+
 _HALF = (torch.float16, torch.bfloat16)
 KERNELS: dict[str, AttentionKernel] = {
     k.name: k
@@ -143,13 +181,17 @@ KERNELS: dict[str, AttentionKernel] = {
         AttentionKernel("sdpa_cudnn", "cuda", _HALF, 128, 8, False, _sdpa_cudnn_fwd, _sdpa_cudnn_bwd),
         AttentionKernel("sdpa_flash", "cuda", _HALF, 256, 8, False, _sdpa_flash_fwd, _sdpa_flash_bwd),
         AttentionKernel("sdpa_efficient", "cuda", _HALF + (torch.float32,), 512, 8, False, _sdpa_eff_fwd, _sdpa_eff_bwd),
+        AttentionKernel("te_fused", "cuda", _HALF, 256, 8, True, _te_fwd, _te_bwd),
     )
 }
 _AUTO_ORDER = ("flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash")
 
 
+_PACKAGES = {"flash_attn": "flash_attn", "te_fused": "transformer_engine"}
+
+
 def _installed(name: str) -> bool:
-    return name != "flash_attn" or importlib.util.find_spec("flash_attn") is not None
+    return name not in _PACKAGES or importlib.util.find_spec(_PACKAGES[name]) is not None
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | None = None) -> AttentionKernel:
@@ -160,7 +202,7 @@ def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name:
         kernel = KERNELS[name]
         reason = kernel.unsupported_reason(device.type, dtype, head_dim)
         if reason is None and not _installed(name):
-            reason = f"kernel {name!r} needs the flash-attn package, which is not installed"
+            reason = f"kernel {name!r} needs the {_PACKAGES[name]} package, which is not installed"
         if reason:
             raise ValueError(reason)
     else:
