@@ -19,7 +19,9 @@ Launch:
     # plan a run without launching it
     python pretrain_llama.py --config examples/configs/qwen3_32b_upipe_16xh100.yaml --dry-run --world-size 16
 
-Exit status: 0 on success, 2 for a configuration error (the same message on every rank).
+Exit status: 0 on success; 2 for a configuration error (the same message on every rank) or an unusable checkpoint
+(another model shape or tokenizer, none where checkpoint.resume=true); 3 when train.nan_policy=stop met a non-finite
+loss or gradient (the message names the step); 4 when another rank died or did not answer within dist.timeout_s.
 """
 
 from __future__ import annotations
@@ -54,17 +56,48 @@ def world_size_of(args: argparse.Namespace) -> int:
 
 def setup_distributed(config: Config, plan: Plan):
     """Initialise torch.distributed (dist.backend, dist.timeout_s) and the megatron-core process groups."""
-    raise NotImplementedError("training loop: see issue 4")
+    from megatron_upipe.training.setup import setup_distributed as setup
+
+    return setup(config, plan)
 
 
 def build(config: Config, plan: Plan, groups):
     """Tokenizer, datasets, model (the UPipe spec), optimizer and scheduler, checkpoint resume."""
-    raise NotImplementedError("training loop: see issue 4")
+    from megatron_upipe.training.build import build_state
+
+    return build_state(config, plan, groups)
 
 
 def train(config: Config, plan: Plan, state) -> None:
     """The training loop: steps, evaluation, logging, checkpoints."""
-    raise NotImplementedError("training loop: see issue 4")
+    from megatron_upipe.training.loop import run
+
+    run(state)
+
+
+def run_job(config: Config, plan: Plan) -> int:
+    """set up -> build -> train -> tear down; a known failure is reported in one line per rank with its exit code."""
+    from megatron_upipe.training.checkpointing import CheckpointError
+    from megatron_upipe.training.failures import DistributedFailure, NonFiniteError
+    from megatron_upipe.training.optim import UnsupportedOnThisMachine
+    from megatron_upipe.training.setup import teardown
+
+    groups = setup_distributed(config, plan)
+    state, code = None, 0
+    try:
+        state = build(config, plan, groups)
+        train(config, plan, state)
+    except (CheckpointError, UnsupportedOnThisMachine, NonFiniteError) as e:  # every rank reaches the same verdict
+        print(f"pretrain_llama.py: rank {groups.rank}: {e}", file=sys.stderr, flush=True)
+        code = 3 if isinstance(e, NonFiniteError) else 2
+    except DistributedFailure as e:  # peers are gone or hung: no collective clean-up
+        print(f"pretrain_llama.py: {e}", file=sys.stderr, flush=True)
+        return 4
+    finally:
+        if state is not None:
+            state.logger.close()
+    teardown(groups)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for warning in plan.warnings:
         print(f"pretrain_llama.py: warning: {warning}", file=sys.stderr)
-    groups = setup_distributed(config, plan)
-    state = build(config, plan, groups)
-    train(config, plan, state)
-    return 0
+    return run_job(config, plan)
 
 
 if __name__ == "__main__":

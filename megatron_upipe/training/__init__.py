@@ -1,0 +1,11 @@
+"""The training job behind pretrain_llama.py, one concept per module (imports point down this list):
+
+  failures       NaN/inf policy, distributed failures turned into one clear error
+  metrics        model FLOPs (causal attention included), MFU, peak memory, the metrics sinks
+  setup          torch.distributed (backend, timeout) and megatron-core's process groups
+  optim          DDP wrapper, megatron-core optimizer (Adam) and the warmup + decay schedule
+  data           tokenizer, datasets and the per-DP-rank, CP-split micro-batch iterators
+  checkpointing  dist_checkpointing save (atomic, `latest`, keep_last) and resume (any layout), with checks
+  build          everything a run needs, in one TrainState
+  loop           train / eval steps on megatron-core's pipeline schedules, the loop itself
+"""

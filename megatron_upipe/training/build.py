@@ -1,0 +1,103 @@
+"""Everything one run needs, built once and held in a `TrainState` that the loop and checkpointing share.
+
+Order: tokenizer -> model (this pipeline stage, the UPipe/Ulysses spec from parallel.cp_strategy) -> DDP ->
+optimizer and schedule -> datasets -> resume (checkpoint.dir's latest, else checkpoint.load) -> metrics sinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_upipe.config import Config, Plan
+from megatron_upipe.data.tokenizers import Tokenizer
+from megatron_upipe.models.llama import LlamaStage, build_llama, llama_transformer_config
+from megatron_upipe.training import checkpointing
+from megatron_upipe.training.data import RunData, build_run_data, build_run_tokenizer, model_vocab_size
+from megatron_upipe.training.metrics import MetricsLogger, NullLogger, model_flops_per_token
+from megatron_upipe.training.optim import build_optimizer, check_distributed_optimizer, wrap_model
+from megatron_upipe.training.setup import Groups
+
+
+@dataclass
+class TrainState:
+    config: Config
+    plan: Plan
+    groups: Groups
+    tokenizer: Tokenizer
+    stage: LlamaStage
+    ddp: object  # megatron-core DistributedDataParallel around this stage
+    optimizer: object
+    scheduler: object
+    data: RunData
+    logger: object = field(default_factory=NullLogger)
+    step: int = 0  # optimizer steps done (skipped non-finite steps included)
+    consumed_samples: int = 0  # over all DP ranks
+    resumed_from: Path | None = None
+    last_saved_step: int | None = None
+
+    @property
+    def model(self):
+        return self.stage.model
+
+    @property
+    def flops_per_token(self) -> float:
+        return model_flops_per_token(self.plan.arch, self.plan.seq_length, self.stage.padded_vocab_size)
+
+    def meta(self) -> dict:
+        """What a checkpoint records about the run (see checkpointing.py)."""
+        return {
+            "step": self.step, "consumed_samples": self.consumed_samples,
+            "model": {**dataclasses.asdict(self.plan.arch), "vocab_size": self.stage.vocab_size},
+            "tokenizer": self.tokenizer.fingerprint().to_dict(),
+            "layout": dataclasses.asdict(self.groups.layout),
+            "config": dataclasses.asdict(self.config),
+        }
+
+
+def use_bf16(config: Config) -> bool:
+    return torch.cuda.is_available() if config.train.bf16 == "auto" else bool(config.train.bf16)
+
+
+def resume_source(config: Config) -> Path | None:
+    """checkpoint.dir's latest checkpoint unless resume=false, else checkpoint.load, else None (fresh start)."""
+    c = config.checkpoint
+    if c.dir is not None and c.resume is not False:
+        found = checkpointing.find_checkpoint(c.dir)
+        if found is not None:
+            return found
+        if c.resume is True:
+            raise checkpointing.CheckpointError(f"checkpoint.resume=true but {c.dir} holds no complete checkpoint")
+    if c.load is not None:
+        found = checkpointing.find_checkpoint(c.load)
+        if found is None:
+            raise checkpointing.CheckpointError(f"checkpoint.load={c.load} is neither a checkpoint directory nor a "
+                                                f"directory with a `latest` file")
+        return found
+    return None
+
+
+def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
+    check_distributed_optimizer(config)
+    tokenizer = build_run_tokenizer(config, plan)
+    vocab = model_vocab_size(tokenizer, config)
+    recompute = None if config.memory.recompute == "none" else config.memory.recompute
+    tconfig = llama_transformer_config(plan.arch, groups.layout, dtype=torch.bfloat16 if use_bf16(config) else
+                                       torch.float32, init_method_std=config.model.init_method_std,
+                                       recompute_granularity=recompute)
+    stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig)
+    ddp = wrap_model(stage.model, tconfig, config)
+    optimizer, scheduler = build_optimizer(ddp, tconfig, config)
+    data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split)
+    state = TrainState(config, plan, groups, tokenizer, stage, ddp, optimizer, scheduler, data)
+    source = resume_source(config)
+    if source is not None:
+        meta = checkpointing.load_checkpoint(state, source)
+        state.step, state.consumed_samples, state.resumed_from = meta["step"], meta["consumed_samples"], source
+        state.last_saved_step = meta["step"] if source.parent == Path(config.checkpoint.dir or "") else None
+    if groups.rank == 0:
+        state.logger = MetricsLogger(config.log, dataclasses.asdict(config), state.step)
+    return state

@@ -1,0 +1,81 @@
+"""Tokenizer, datasets and micro-batch iterators of a run.
+
+Every rank reads the micro-batches of its DP rank (TP and PP peers read the same ones; CP peers too) and keeps
+its CP rank's share of each sequence (`megatron_upipe.cp_batch`, the split the layer spec asks for). Shapes:
+micro-batch [b, s] from the dataset -> [b, s/C] after the split (tokens, labels, loss_mask, position_ids).
+
+Sample counts: train = train.steps x global batch; valid = train.eval_iters x global batch, and every evaluation
+reads the same first eval_iters global batches of the validation split (comparable eval losses, and nothing to
+resume). The index cache goes to `cache_dir(config)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from megatron_upipe.config import Config, Plan
+from megatron_upipe.cp_batch import split_batch
+from megatron_upipe.data.datasets import GPTDataConfig, build_gpt_datasets, micro_batches
+from megatron_upipe.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def build_run_tokenizer(config: Config, plan: Plan) -> Tokenizer:
+    if config.data.tokenizer is not None:
+        return build_tokenizer(config.data.tokenizer)
+    return ByteTokenizer(max(plan.vocab_size, 258))  # mock data: only the vocabulary size matters
+
+
+def model_vocab_size(tokenizer: Tokenizer, config: Config) -> int:
+    v = config.model.vocab_size
+    if v is None:
+        return tokenizer.vocab_size
+    if config.data.tokenizer is not None and v < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={v} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size} "
+                         f"in {config.data.tokenizer}): set model.vocab_size=null")
+    return v
+
+
+def cache_dir(config: Config) -> Path:
+    """`<run dir>/data_cache`, the run dir being the parent of checkpoint.dir, else of log.metrics_file."""
+    anchor = config.checkpoint.dir or config.log.metrics_file
+    return (Path(anchor).parent if anchor else Path("runs")) / "data_cache"
+
+
+@dataclass
+class RunData:
+    train: object
+    valid: object | None
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+    split: str  # "contiguous" / "zigzag"
+    cp_group: object
+
+    def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
+        return self._split(micro_batches(self.train, self.micro_batch_size, self.dp_rank, self.dp_size,
+                                         consumed_samples))
+
+    def valid_iterator(self) -> Iterator[dict]:
+        return self._split(micro_batches(self.valid, self.micro_batch_size, self.dp_rank, self.dp_size, 0))
+
+    def _split(self, it: Iterator[dict]) -> Iterator[dict]:
+        for batch in it:  # [b, s] -> [b, s/C]
+            yield split_batch({k: batch[k] for k in BATCH_KEYS}, self.split, self.cp_group)
+
+
+def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str) -> RunData:
+    t = config.train
+    data_config = GPTDataConfig(data_path=(config.data.path,), seq_length=t.seq_length, seed=t.seed,
+                                split=tuple(config.data.split))
+    n_valid = t.eval_iters * plan.global_batch_size if t.eval_interval > 0 else None
+    sets = build_gpt_datasets(data_config, tokenizer, (t.steps * plan.global_batch_size, n_valid, None),
+                              cache_dir(config))
+    if t.eval_interval > 0 and (sets.valid is None or len(sets.valid) < n_valid):
+        raise ValueError(f"train.eval_iters={t.eval_iters} x global batch {plan.global_batch_size} needs {n_valid} "
+                         f"validation samples; data.split={config.data.split} gives "
+                         f"{0 if sets.valid is None else len(sets.valid)}")
+    return RunData(sets.train, sets.valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp)

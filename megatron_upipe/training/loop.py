@@ -1,0 +1,142 @@
+"""Training and evaluation steps on megatron-core's pipeline schedules, and the loop with its side duties.
+
+Legend: b micro-batch size, s sequence length, C context-parallel size. The forward step feeds one micro-batch
+([b, s/C] per rank after the CP split) to the model, which returns the per-token loss [b, s/C]; the loss function
+returns (sum, token count, report), so megatron's schedule divides by the count and by the number of micro-batches
+and DDP averages over dp x cp: the gradient of the global per-token mean (micro-batches hold equal token counts).
+
+One step: schedule LR -> forward/backward over all micro-batches (gradient accumulation, pipeline schedule of
+parallel.pp) -> global loss and gradient norm -> NaN policy (failures.py) -> optimizer step (clipping inside).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_upipe.training import checkpointing
+from megatron_upipe.training.failures import as_distributed_failure, check_step
+from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step_record
+from megatron_upipe.training.optim import current_lr
+
+
+def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    mask = loss_mask.float()  # [b, s/C]
+    total = (per_token_loss.float() * mask).sum()
+    count = mask.sum()
+    return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count.detach()])}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s/C] per-token loss
+    return out, partial(_loss_func, batch["loss_mask"])
+
+
+def _global_loss(reports: list[dict], pg) -> tuple[float, int]:
+    """Per-token mean over the global batch (the last pipeline stage holds the reports; others add zeros)."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    for r in reports:
+        sums += r["lm loss"].double().cpu()
+    dist.all_reduce(sums, group=pg.pp)
+    dist.all_reduce(sums, group=pg.dp_cp)
+    return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan"), int(sums[1].item())
+
+
+def _forward_backward(state, data_iterator, forward_only: bool) -> list[dict]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    p = state.plan
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=data_iterator, model=[state.ddp],
+        num_microbatches=p.num_microbatches, seq_length=p.seq_length, micro_batch_size=p.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def train_step(state, data_iterator) -> dict:
+    """One optimizer step (state.step + 1); returns loss, lr, grad_norm, skipped. Raises NonFiniteError (stop)."""
+    step = state.step + 1
+    state.ddp.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    state.scheduler.step(1)  # the LR of step `step`
+    reports = _forward_backward(state, data_iterator, forward_only=False)
+    loss, _ = _global_loss(reports, state.groups.pg)
+    state.optimizer.prepare_grads()
+    grad_norm = float(state.optimizer.get_grad_norm())  # global, before clipping
+    update = check_step(step, loss, grad_norm, state.config.train.nan_policy)
+    if update:
+        state.optimizer.step()  # clips to train.clip_grad and updates
+    else:
+        state.ddp.zero_grad_buffer()
+        state.optimizer.zero_grad()
+    return {"loss": loss, "lr": current_lr(state.optimizer), "grad_norm": grad_norm, "skipped": not update}
+
+
+@torch.no_grad()
+def evaluate(state) -> dict:
+    """Mean loss over the first train.eval_iters global batches of the validation split."""
+    state.ddp.eval()
+    it = state.data.valid_iterator()
+    sums = [0.0, 0]
+    try:
+        for _ in range(state.config.train.eval_iters):
+            loss, count = _global_loss(_forward_backward(state, it, forward_only=True), state.groups.pg)
+            sums[0] += loss * count
+            sums[1] += count
+    finally:
+        state.ddp.train()
+    return {"step": state.step, "loss": sums[0] / max(sums[1], 1), "tokens": sums[1]}
+
+
+def _save(state) -> None:
+    c = state.config.checkpoint
+    path = checkpointing.save_checkpoint(state, c.dir, keep_last=c.keep_last)
+    state.last_saved_step = state.step
+    state.logger.message(f"step {state.step:6d} | saved checkpoint {path}")
+
+
+def run(state) -> None:
+    """Train from state.step to train.steps with evaluation, metrics and checkpoints."""
+    try:
+        _run(state)
+    except Exception as exc:
+        failure = as_distributed_failure(exc, state.groups.rank, state.step + 1, state.config.dist.timeout_s)
+        if failure is not None:
+            raise failure from exc
+        raise
+
+
+def _run(state) -> None:
+    cfg, plan, groups = state.config, state.plan, state.groups
+    t, c = cfg.train, cfg.checkpoint
+    log = state.logger
+    log.message(plan.summary())
+    log.message(f"parallel layout {groups.layout.describe()} | {state.stage.config.params_dtype} | "
+                f"{sum(p.numel() for p in state.model.parameters())} parameters on rank 0's stage")
+    if state.resumed_from is not None:
+        log.message(f"resumed from {state.resumed_from} at step {state.step} ({state.consumed_samples} samples)")
+    peak_flops = device_peak_flops(groups.device)
+    data_iterator = state.data.train_iterator(state.consumed_samples)
+    while state.step < t.steps:
+        start = time.perf_counter()
+        result = train_step(state, data_iterator)
+        state.step += 1
+        state.consumed_samples += plan.global_batch_size
+        seconds = time.perf_counter() - start
+        mem, mem_kind = peak_memory(groups.device)
+        mem_t = torch.tensor([mem], dtype=torch.int64)
+        dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
+        log.log(step_record(state.step, result["loss"], result["lr"], result["grad_norm"], seconds,
+                            plan.tokens_per_step, groups.world_size, state.flops_per_token, peak_flops,
+                            int(mem_t.item()), mem_kind, result["skipped"]))
+        final = state.step == t.steps
+        if t.eval_interval > 0 and (state.step % t.eval_interval == 0 or final):
+            log.log(evaluate(state), kind="eval")
+        if c.dir is not None and ((c.interval > 0 and state.step % c.interval == 0) or final):
+            _save(state)
+    if c.dir is not None and state.last_saved_step != state.step:  # e.g. resumed at train.steps
+        _save(state)

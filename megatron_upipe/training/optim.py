@@ -1,0 +1,72 @@
+"""megatron-core's DDP wrapper, optimizer (Adam) and LR schedule for one pipeline stage.
+
+The schedule is megatron-core's `OptimizerParamScheduler` counted in optimizer steps: linear warmup from 0 over
+`train.warmup_steps`, then `train.lr_decay_style` (cosine by default) down to `train.min_lr` at
+`train.lr_decay_steps` (default `train.steps`). It is advanced *before* each optimizer step, so step k (1-based)
+runs at the LR of position k: the first step does not waste itself at LR 0.
+
+The distributed optimizer (ZeRO-1 over dp x cp) is used when `train.distributed_optimizer=true`. megatron-core
+cannot *load* its checkpoints without TransformerEngine or apex, neither of which exists on CPU: there the option is
+refused (`build_optimizer` raises) instead of writing checkpoints that cannot be resumed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_upipe.config import Config
+
+
+class UnsupportedOnThisMachine(ValueError):
+    pass
+
+
+def check_distributed_optimizer(config: Config) -> None:
+    if config.train.distributed_optimizer and not torch.cuda.is_available():
+        raise UnsupportedOnThisMachine(
+            "train.distributed_optimizer=true is not supported on CPU: megatron-core 0.19 cannot load a distributed-"
+            "optimizer checkpoint without TransformerEngine or apex (both need CUDA), so the run could not be "
+            "resumed. Set train.distributed_optimizer=false (the plain optimizer resumes exactly).")
+
+
+def wrap_model(model, tconfig, config: Config):
+    """Float16Module (bf16 runs) + megatron-core DDP; returns the module the schedules and optimizer take."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
+
+    module = Float16Module(tconfig, model) if tconfig.bf16 else model
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=config.train.distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(tconfig, ddp_config, module)
+    tconfig.finalize_model_grads_func = finalize_model_grads  # grad all-reduce over dp x cp, embedding/pp sync
+    return ddp
+
+
+def build_optimizer(ddp, tconfig, config: Config):
+    """(optimizer, scheduler) for the DDP-wrapped stage."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    check_distributed_optimizer(config)
+    t = config.train
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=tconfig.bf16,
+        params_dtype=tconfig.params_dtype, use_distributed_optimizer=t.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    tconfig.grad_scale_func = optimizer.scale_loss  # 1.0 for fp32 / bf16 (no loss scaling)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
+        lr_decay_steps=t.decay_steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
+        end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
+    )
+    return optimizer, scheduler
+
+
+def current_lr(optimizer) -> float:
+    lr = optimizer.param_groups[0]["lr"]
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)

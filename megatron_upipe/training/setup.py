@@ -1,0 +1,75 @@
+"""Distributed start-up: the default process group (backend, timeout) and megatron-core's parallel groups.
+
+`setup_distributed(config, plan)` is called once per job on every rank. It initialises torch.distributed from
+torchrun's environment unless a process group already exists (tests spawn ranks themselves), builds megatron-core's
+groups for the config's layout with `dist.timeout_s` on every collective, and returns `Groups`, which the rest of
+the job passes down. `teardown(groups)` undoes it (the default group only when this module created it).
+
+What the timeout enforces: every collective on the default group and on megatron's groups (gloo: each operation
+fails after `dist.timeout_s`; NCCL: the watchdog aborts the communicator and the process). A rank that dies makes
+its peers' next collective fail at once (connection closed); a rank that stops answering makes them fail after
+the timeout; either way the error is raised on the surviving ranks (see failures.py) and torchrun stops the rest.
+Not covered: all ranks hanging outside any collective at the same time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_upipe.config import Config, Plan
+from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+
+
+@dataclass
+class Groups:
+    layout: ParallelLayout
+    pg: object  # megatron-core ProcessGroupCollection (tp, pp, cp, dp, dp_cp, mp, ...)
+    rank: int
+    world_size: int
+    device: torch.device
+    owns_default_group: bool  # this job called init_process_group (so teardown destroys it)
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("dist.backend=nccl needs CUDA GPUs; on this machine set dist.backend=gloo (or auto)")
+    return backend
+
+
+def layout_of(config: Config, plan: Plan) -> ParallelLayout:
+    p = config.parallel
+    return ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=plan.dp, sequence_parallel=p.sequence_parallel,
+                          cp_strategy=p.cp_strategy, upipe_heads_per_stage=plan.heads_per_stage)
+
+
+def setup_distributed(config: Config, plan: Plan) -> Groups:
+    """Process group + megatron-core groups for `config`'s layout (call on every rank)."""
+    if config.memory.expandable_segments and torch.cuda.is_available():
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first CUDA alloc
+    timeout = timedelta(seconds=config.dist.timeout_s)
+    owns = not dist.is_initialized()
+    if owns:
+        backend = resolve_backend(config.dist.backend)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    if dist.get_world_size() != plan.world_size:
+        raise RuntimeError(f"the config was validated for {plan.world_size} ranks but the job has "
+                           f"{dist.get_world_size()}")
+    layout = layout_of(config, plan)
+    pg = initialize_parallel(layout, seed=config.train.seed, timeout_s=config.dist.timeout_s)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return Groups(layout, pg, dist.get_rank(), dist.get_world_size(), device, owns)
+
+
+def teardown(groups: Groups) -> None:
+    destroy_parallel()
+    if groups.owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()
