@@ -1,0 +1,253 @@
+"""Every shipped config dry-runs at its intended world size; every shell recipe parses and, with fake `srun`,
+`torchrun`, `scontrol` and `nvidia-smi` on PATH that record their arguments (and SLURM_* variables set as Slurm
+sets them), resolves its config into the run directory and launches the right command. Nothing is launched.
+tests/test_slurm.py runs the 8xH100 recipe under a real Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_upipe.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+SBATCH = sorted((ROOT / "examples" / "slurm").glob("*.sbatch"))
+SHELL_RECIPES = [*SBATCH, *sorted((ROOT / "examples").rglob("*.sh")), *sorted((ROOT / "tools" / "ci").glob("*.sh"))]
+SINGLE_NODE = ROOT / "examples" / "torchrun_single_node.sh"
+
+# Records {"argv", "cwd", "env"} as one JSON line in $FAKE_LOG/<name>.jsonl; srun then runs its command (the first
+# argument that is not an option: the recipes write srun options as --opt=value), scontrol prints the hosts in
+# $FAKE_HOSTS, nvidia-smi lists $FAKE_GPUS GPUs, torchrun exits 0.
+FAKE = """#!{python}
+import json, os, sys
+name = os.path.basename(sys.argv[0])
+with open(os.path.join(os.environ["FAKE_LOG"], name + ".jsonl"), "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}) + "\\n")
+if name == "srun":
+    cmd = next(i for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("-"))
+    os.execvp(sys.argv[cmd], sys.argv[cmd:])
+if name == "scontrol":
+    print("\\n".join(os.environ["FAKE_HOSTS"].split()))
+if name == "nvidia-smi":
+    print("\\n".join(f"GPU {{i}}: NVIDIA H100 (UUID: GPU-{{i}})" for i in range(int(os.environ["FAKE_GPUS"]))))
+"""
+
+
+def world_size_of(config: Path) -> int:
+    m = re.search(r"^# world_size: (\d+)$", config.read_text(), re.MULTILINE)
+    assert m, f"{config.name} must state its intended world size in a '# world_size: N' line"
+    return int(m.group(1))
+
+
+def sbatch_directives(script: Path) -> dict[str, str]:
+    """The #SBATCH --key=value lines of a batch script (those before its first command, as sbatch reads them)."""
+    out = {}
+    for line in script.read_text().splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        if line.startswith("#SBATCH "):
+            key, _, value = line.removeprefix("#SBATCH ").strip().partition("=")
+            out[key] = value
+    return out
+
+
+def config_of(script: Path) -> Path:
+    m = re.search(r"^CONFIG=\$\{CONFIG:-(\S+)\}$", script.read_text(), re.MULTILINE)
+    assert m, f"{script.name} must default CONFIG to a shipped config"
+    return ROOT / m.group(1)
+
+
+def test_every_config_dry_runs_at_its_world_size():
+    procs = {
+        c.name: subprocess.Popen([sys.executable, "pretrain_llama.py", "--config", str(c), "--dry-run",
+                                  "--world-size", str(world_size_of(c))], cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for c in CONFIGS
+    }
+    assert len(procs) >= 3
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, f"{name}:\n{out}"
+        assert "dry run: configuration is valid" in out, f"{name}:\n{out}"
+
+
+@pytest.mark.parametrize("script", SHELL_RECIPES, ids=lambda p: p.name)
+def test_shell_recipes_parse(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.name)
+def test_sbatch_resources_match_the_config(script):
+    d = sbatch_directives(script)
+    config = config_of(script)
+    assert config.is_file()
+    assert int(d["--nodes"]) * int(d["--gpus-per-node"]) == world_size_of(config)
+    assert d["--ntasks-per-node"] == "1", "one torchrun per node"
+    assert "--job-name" in d and "--time" in d
+
+
+class Fakes:
+    """A PATH with recording fakes, and a way to run a recipe against them."""
+
+    def __init__(self, tmp_path: Path):
+        self.bin = tmp_path / "bin"
+        self.log = tmp_path / "log"
+        self.bin.mkdir()
+        self.log.mkdir()
+        for name in ("srun", "torchrun", "scontrol", "nvidia-smi"):
+            f = self.bin / name
+            f.write_text(FAKE.format(python=sys.executable))
+            f.chmod(0o755)
+        self.cwd = tmp_path / "elsewhere"  # the recipes must find the repository themselves
+        self.cwd.mkdir()
+
+    def run(self, script: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+        full = {"PATH": f"{self.bin}:{os.environ['PATH']}", "HOME": os.environ.get("HOME", "/root"),
+                "FAKE_LOG": str(self.log), "VENV": "none", "PYTHON": sys.executable, **env}
+        return subprocess.run(["bash", str(script), *overrides], cwd=self.cwd, env=full, capture_output=True,
+                              text=True, timeout=60)
+
+    def calls(self, name: str) -> list[dict]:
+        f = self.log / f"{name}.jsonl"
+        return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def slurm_env(nodes: int, gpus: int, job_id: int, run_dir: Path) -> dict[str, str]:
+    """What sbatch puts in the batch script's environment on the first of `nodes` nodes."""
+    return {
+        "SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id), "SLURM_JOB_NAME": "recipe-test",
+        "SLURM_NNODES": str(nodes), "SLURM_JOB_NUM_NODES": str(nodes),
+        "SLURM_JOB_NODELIST": f"gpu-[017-{16 + nodes:03d}]" if nodes > 1 else "gpu-017",
+        "SLURM_GPUS_ON_NODE": str(gpus), "SLURM_CPUS_ON_NODE": "96", "SLURM_SUBMIT_DIR": str(ROOT),
+        "FAKE_HOSTS": " ".join(f"gpu-{17 + i:03d}" for i in range(nodes)), "RUN_DIR": str(run_dir),
+    }
+
+
+def option(argv: list[str], name: str) -> str:
+    """The value of `--name value` or `--name=value` in argv."""
+    for i, a in enumerate(argv):
+        if a == name:
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {argv}")
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.name)
+def test_sbatch_recipe_launches_torchrun_per_node(script, tmp_path):
+    fakes = Fakes(tmp_path)
+    nodes = int(sbatch_directives(script)["--nodes"])
+    run_dir = tmp_path / "run"
+    env = slurm_env(nodes, 8, 4242, run_dir)
+    r = fakes.run(script, "train.steps=3", "train.lr=1e-4", EXTRA_ARGS="--dry-run",
+                  SRUN_EXTRA_ARGS="--container-image=nvcr.io#x --no-container-mount-home", **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dry run: configuration is valid" in r.stdout  # the pre-flight check at the launch's world size
+    assert f"world {nodes * 8} = " in r.stdout
+
+    (scontrol,) = fakes.calls("scontrol")
+    assert scontrol["argv"] == ["show", "hostnames", env["SLURM_JOB_NODELIST"]]
+
+    (srun,) = fakes.calls("srun")
+    s = srun["argv"]
+    assert option(s, "--nodes") == str(nodes) and option(s, "--ntasks-per-node") == "1"
+    assert option(s, "--cpus-per-task") == "96" and option(s, "--kill-on-bad-exit") == "1"
+    assert "--container-image=nvcr.io#x" in s and "--no-container-mount-home" in s
+    assert s[next(i for i, a in enumerate(s) if not a.startswith("-"))] == "torchrun"
+
+    (torchrun,) = fakes.calls("torchrun")
+    t = torchrun["argv"]
+    assert option(t, "--nnodes") == str(nodes) and option(t, "--nproc-per-node") == "8"
+    assert option(t, "--rdzv-backend") == "c10d" and option(t, "--rdzv-id") == "4242"
+    host, port = option(t, "--rdzv-endpoint").split(":")
+    assert host == "gpu-017" and 1024 < int(port) < 32768
+    assert t[t.index("pretrain_llama.py"):] == ["pretrain_llama.py", "--config", f"{run_dir}/config.yaml", "--dry-run"]
+    assert torchrun["cwd"] == str(ROOT)
+    e = torchrun["env"]
+    assert e["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and e["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+    # The run directory holds the resolved config: the shipped one, the overrides, metrics in the run dir.
+    resolved = load_config(str(run_dir / "config.yaml"), [])
+    shipped = load_config(str(config_of(script)), [])
+    assert resolved.train.steps == 3 and resolved.train.lr == 1e-4
+    assert resolved.log.metrics_file == f"{run_dir}/metrics.jsonl"
+    assert resolved.parallel == shipped.parallel and resolved.model == shipped.model
+    assert resolved.train.seq_length == shipped.train.seq_length
+
+
+def test_sbatch_environment_overrides(tmp_path):
+    """NPROC_PER_NODE, MASTER_PORT and CONFIG from the environment; the user's override wins over the recipe's."""
+    fakes = Fakes(tmp_path)
+    run_dir = tmp_path / "run"
+    env = slurm_env(1, 8, 77, run_dir) | {"NPROC_PER_NODE": "2", "MASTER_PORT": "23456",
+                                          "CONFIG": "examples/configs/tiny_cpu.yaml"}
+    r = fakes.run(SBATCH[0], f"log.metrics_file={tmp_path}/m.jsonl", "checkpoint.interval=0", **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (torchrun,) = fakes.calls("torchrun")
+    assert option(torchrun["argv"], "--nproc-per-node") == "2"
+    assert option(torchrun["argv"], "--rdzv-endpoint") == "gpu-017:23456"
+    assert torchrun["argv"][-2:] == ["--config", f"{run_dir}/config.yaml"]
+    resolved = load_config(str(run_dir / "config.yaml"), [])
+    assert resolved.model.preset == "tiny" and resolved.log.metrics_file == f"{tmp_path}/m.jsonl"
+
+
+@pytest.mark.parametrize("case", ["bad override", "wrong world size", "not under slurm", "not the repository"])
+def test_sbatch_recipe_refuses_before_launching(case, tmp_path):
+    fakes = Fakes(tmp_path)
+    env = slurm_env(1, 8, 5, tmp_path / "run")
+    overrides = ["train.stpes=3"] if case == "bad override" else []
+    if case == "wrong world size":
+        env["NPROC_PER_NODE"] = "4"  # cp=8 needs 8 ranks
+    if case == "not under slurm":
+        env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    if case == "not the repository":
+        env["SLURM_SUBMIT_DIR"] = str(tmp_path)
+    r = fakes.run(SBATCH[0], *overrides, **env)
+    assert r.returncode != 0
+    assert fakes.calls("srun") == [] and fakes.calls("torchrun") == []
+    expected = {"bad override": "train.steps", "wrong world size": "world size 4", "not under slurm": "sbatch",
+                "not the repository": "REPO_DIR"}[case]
+    assert expected in r.stderr, r.stderr
+
+
+def test_single_node_recipe(tmp_path):
+    fakes = Fakes(tmp_path)
+    run_dir = tmp_path / "run"
+    r = fakes.run(SINGLE_NODE, "train.steps=3", FAKE_GPUS="8", RUN_DIR=str(run_dir), EXTRA_ARGS="--dry-run")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert fakes.calls("srun") == []
+    (torchrun,) = fakes.calls("torchrun")
+    t = torchrun["argv"]
+    assert option(t, "--nnodes") == "1" and option(t, "--nproc-per-node") == "8"
+    assert option(t, "--rdzv-endpoint") == "localhost:29500"
+    assert t[t.index("pretrain_llama.py"):] == ["pretrain_llama.py", "--config", f"{run_dir}/config.yaml", "--dry-run"]
+    assert torchrun["cwd"] == str(ROOT)
+    assert torchrun["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    resolved = load_config(str(run_dir / "config.yaml"), [])
+    assert resolved.train.steps == 3 and resolved.parallel.cp == 8
+    assert resolved.log.metrics_file == f"{run_dir}/metrics.jsonl"
+
+
+def test_single_node_recipe_on_cpu(tmp_path):
+    """Without GPUs: NPROC_PER_NODE is required, and the tiny CPU config launches with the given port."""
+    fakes = Fakes(tmp_path)
+    r = fakes.run(SINGLE_NODE, FAKE_GPUS="0", RUN_DIR=str(tmp_path / "a"))
+    assert r.returncode == 2 and "NPROC_PER_NODE" in r.stderr and fakes.calls("torchrun") == []
+    r = fakes.run(SINGLE_NODE, "train.steps=3", "train.warmup_steps=1", FAKE_GPUS="0", NPROC_PER_NODE="2",
+                  MASTER_PORT="29777", CONFIG="examples/configs/tiny_cpu.yaml", RUN_DIR=str(tmp_path / "b"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (torchrun,) = fakes.calls("torchrun")
+    assert shlex.join(torchrun["argv"]).startswith(
+        "--nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:29777")
+    assert load_config(str(tmp_path / "b" / "config.yaml"), []).dist.backend == "gloo"
