@@ -57,7 +57,8 @@ def _forward_step(data_iterator, model):
 
 
 def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
-               clip_grad: float = 1.0, recompute_granularity: str | None = None) -> RunResult:
+               clip_grad: float = 1.0, recompute_granularity: str | None = None, mlp_chunks: int = 1,
+               loss_chunks: int = 1) -> RunResult:
     """Called on every rank of a job of layout.world_size ranks; returns the same RunResult on every rank."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -73,7 +74,8 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
     pg = initialize_parallel(layout)
     try:
         config = llama_transformer_config(arch, layout, recompute_granularity=recompute_granularity)
-        stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config)
+        stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config, mlp_chunks=mlp_chunks,
+                            loss_chunks=loss_chunks)
         config = stage.config
         offset = get_transformer_layer_offset(config, pp_rank=pg.pp.rank())
         load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)

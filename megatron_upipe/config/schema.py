@@ -251,9 +251,16 @@ class MemoryConfig:
     section: ClassVar[str] = "memory"
     recompute: Literal["none", "selective", "full"] = "none"  # megatron-core activation recompute granularity
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA init)
+    # Sequence tiles of every layer's SwiGLU MLP, each tile's fc1/SwiGLU recomputed in backward, so no [s, b, ffn]
+    # tensor is alive whole; any sequence length works (tiles differ by at most one token). 1 = off.
+    mlp_chunks: int = 1
+    # Sequence chunks of the LM head + vocab-parallel cross-entropy (logits recomputed per chunk in backward, the
+    # [s, b, vocab/tp] logits never exist). 1 = off.
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _refuse(_positive(self, "mlp_chunks", "loss_chunks"))
 
 
 @dataclass(frozen=True)

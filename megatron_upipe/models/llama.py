@@ -5,10 +5,16 @@ into megatron-core's `TransformerConfig`; `build_llama(...)` builds this pipelin
 the layer spec chosen by `megatron_upipe.models.spec.build_cp_plan`. The vocabulary comes from the tokenizer and
 is padded to a multiple of lcm(128, tp) (TP-invariant for tp | 128); padded rows are zero after conversion from
 HF and their logits are ignored by `hf_convert`.
+
+Memory switches (numerically transparent; parameters and checkpoints unchanged), applied here and nowhere else:
+`mlp_chunks > 1` swaps every layer's MLP for the sequence-tiled `TiledMLP` (models/tiled_mlp.py);
+`loss_chunks > 1` builds a `ChunkedLossGPTModel` whose forward with labels never materialises the logits
+(models/chunked_loss.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -18,8 +24,10 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_upipe.models.chunked_loss import ChunkedLossGPTModel
 from megatron_upipe.models.presets import LlamaArch
 from megatron_upipe.models.spec import CPPlan, build_cp_plan
+from megatron_upipe.models.tiled_mlp import with_tiled_mlp_block
 from megatron_upipe.parallel import ParallelLayout
 
 VOCAB_MULTIPLE = 128
@@ -85,17 +93,26 @@ class LlamaStage:
 
 def build_llama(
     arch: LlamaArch, layout: ParallelLayout, pg_collection, *, vocab_size: int | None = None,
-    dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None,
+    dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None, mlp_chunks: int = 1,
+    loss_chunks: int = 1,
 ) -> LlamaStage:
-    """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`."""
+    """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`.
+
+    mlp_chunks / loss_chunks: `memory.mlp_chunks` / `memory.loss_chunks` (1 = megatron-core's plain modules).
+    """
     vocab = vocab_size if vocab_size is not None else arch.vocab_size
     if vocab is None:
         raise ValueError("vocab_size is unknown: pass the tokenizer's vocabulary size")
+    if mlp_chunks < 1 or loss_chunks < 1:
+        raise ValueError(f"mlp_chunks={mlp_chunks} and loss_chunks={loss_chunks} must be positive (1 = off)")
     config = config if config is not None else llama_transformer_config(arch, layout, dtype=dtype)
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
     plan = build_cp_plan(config, layout, pp_rank=pp_rank)
+    if mlp_chunks > 1:
+        plan = dataclasses.replace(plan, block_spec=with_tiled_mlp_block(plan.block_spec, mlp_chunks))
+    model_cls, extra = (ChunkedLossGPTModel, {"loss_chunks": loss_chunks}) if loss_chunks > 1 else (GPTModel, {})
     padded = padded_vocab_size(vocab, layout.tp)
-    model = GPTModel(
+    model = model_cls(
         config=config,
         transformer_layer_spec=plan.block_spec,
         vocab_size=padded,
@@ -107,6 +124,7 @@ def build_llama(
         rotary_percent=1.0,
         rotary_base=arch.rotary_base,
         pg_collection=pg_collection,
+        **extra,
     )
     if plan.rope_full_sequence:
         # The headwise CP ops take the angles of all N positions and slice their contiguous share themselves;

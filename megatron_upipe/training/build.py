@@ -88,7 +88,8 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
     tconfig = llama_transformer_config(plan.arch, groups.layout, dtype=torch.bfloat16 if use_bf16(config) else
                                        torch.float32, init_method_std=config.model.init_method_std,
                                        recompute_granularity=recompute)
-    stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig)
+    stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
+                        mlp_chunks=config.memory.mlp_chunks, loss_chunks=config.memory.loss_chunks)
     ddp = wrap_model(stage.model, tconfig, config)
     optimizer, scheduler = build_optimizer(ddp, tconfig, config)
     data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split)

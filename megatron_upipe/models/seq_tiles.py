@@ -1,0 +1,54 @@
+"""Sequence tiles and their tensor-parallel resharding, shared by the tiled MLP and the chunked LM loss.
+
+Legend: s_l tokens of this rank ([s/C] without sequence parallelism, [s/(C·t)] with it), T tokens of one tile,
+b batch, h any hidden size, t tensor-parallel size.
+
+A tile is a contiguous range of this rank's s_l tokens. With sequence parallelism every TP rank holds the same
+number of tokens, so tile i has the same bounds on all TP ranks; gathering tile i over TP gives the t·T tokens
+{r·s_l + [start, end) : r < t} rank-major. Token-wise ops (MLP, LM head, cross-entropy) do not care about the
+order, and reduce-scattering a [t·T, b, h] result hands each rank back exactly its own T tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def tile_bounds(length: int, chunks: int) -> list[tuple[int, int]]:
+    """`chunks` contiguous, non-empty [start, end) ranges covering `length` (sizes differ by at most one).
+
+    Any length works: with fewer tokens than chunks there is one token per tile.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be positive")
+    n = max(1, min(chunks, length))
+    base, extra = divmod(length, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def gather_tile(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """[T, b, h] -> [t·T, b, h] (rank-major) with SP; unchanged without it (every TP rank holds all tokens)."""
+    t = dist.get_world_size(group) if group is not None else 1
+    if not sequence_parallel or t == 1:
+        return x
+    out = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # [t·T, b, h]
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_tile(y: torch.Tensor, group) -> torch.Tensor:
+    """Sum over TP and keep this rank's share: [t·T, b, h] -> [T, b, h]."""
+    t = dist.get_world_size(group)
+    out = torch.empty((y.shape[0] // t, *y.shape[1:]), dtype=y.dtype, device=y.device)  # [T, b, h]
+    dist.reduce_scatter_tensor(out, y.contiguous(), group=group)
+    return out
+
+
+def tp_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
