@@ -1,0 +1,118 @@
+"""Test harness for megatron_upipe.memory_stack: a tiny Llama trained on gloo ranks with the memory switches.
+
+Like tests/llama_harness.run_layout (same HF-named weights, global batch, megatron-core schedule, finalize_model_grads
+and optimizer), plus: megatron-core full recompute, host offload of the checkpointed layer inputs, and fully sharded
+model states (Megatron-FSDP + distributed optimizer) instead of DDP. Device memory is measured with the
+storage-tracking PeakMemoryTracker over each forward-backward (parameters, gradient buffers and optimizer states are
+made before it starts, so it sees activations, recompute and gradient temporaries); host memory with the
+offloader's ledger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class MemoryRunResult:
+    losses: list[float]
+    grads: dict | None  # HF name -> full first-step gradient (not gathered when sharded); numpy if portable()
+    device_peak: list[int]  # per step: tracked peak bytes of the forward-backward
+    device_after_forward: int  # first step: tracked live bytes right after the model's forward
+    host_after_forward: int  # first step: offloader ledger right after the model's forward
+    host_peak: int
+    host_end: int  # after the last step (0: every host copy was freed)
+    state_bytes: dict[str, int] = field(default_factory=dict)  # this rank's persistent model/optimizer state bytes
+    param_dtypes: tuple = ()  # dtypes of the compute parameters
+
+
+def portable(result: MemoryRunResult) -> MemoryRunResult:
+    """Gradients as numpy arrays: pickled by value, so a rank may exit before the parent reads its result (torch
+    tensors cross the spawn queue as shared-memory handles that die with the sending process)."""
+    grads = None if result.grads is None else {k: v.numpy() for k, v in result.grads.items()}
+    return dataclasses.replace(result, grads=grads)
+
+
+def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
+                      recompute: bool = False, offload: bool = False, shard: bool = False,
+                      bf16: bool = False) -> MemoryRunResult:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_upipe.checkpoint.hf_convert import load_hf_into_model
+    from megatron_upipe.cp_batch import split_batch
+    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_stack.checkpoint_offload import attach_checkpoint_offload
+    from megatron_upipe.memory_stack.sharding import fsdp_buffer_bytes, optimizer_state_bytes, wrap_fully_sharded
+    from megatron_upipe.models.llama import build_llama, llama_transformer_config
+    from megatron_upipe.parallel import destroy_parallel, initialize_parallel
+    from tests.llama_harness import _gather_stage, _loss_func
+
+    vocab = hf_sd["model.embed_tokens.weight"].shape[0]
+    pg = initialize_parallel(layout)
+    try:
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        config = llama_transformer_config(arch, layout, dtype=dtype, recompute_granularity="full" if recompute else None)
+        stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config)
+        load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=0)
+        offloader = attach_checkpoint_offload(stage.model) if offload else None
+        module = Float16Module(config, stage.model) if bf16 else stage.model
+        if shard:
+            wrapped = wrap_fully_sharded(module, config, pg)
+        else:
+            wrapped = DistributedDataParallel(
+                config, DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=True), module)
+        config.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1.0, bf16=bf16, params_dtype=dtype,
+            use_distributed_optimizer=shard), [wrapped])
+        config.grad_scale_func = optimizer.scale_loss
+
+        B, N = tokens.shape[0], tokens.shape[1] - 1
+        dp_rank, dp = pg.dp.rank(), pg.dp.size()
+        rows = tokens[dp_rank * (B // dp):(dp_rank + 1) * (B // dp)]  # [B/dp, N+1]
+        batch = {"tokens": rows[:, :-1], "labels": rows[:, 1:],
+                 "position_ids": torch.arange(N).unsqueeze(0).expand(rows.shape[0], -1)}
+        batch = split_batch(batch, stage.plan.sequence_split, pg.cp)  # [B/dp, N/C] each
+
+        probe: dict[str, int] = {}
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            probe.setdefault("device", tracker.live_bytes)
+            probe.setdefault("host", offloader.live_bytes if offloader else 0)
+            return out, _loss_func
+
+        forward_backward = get_forward_backward_func()
+        losses, grads, peaks = [], None, []
+        for step in range(steps):
+            wrapped.zero_grad_buffer()
+            optimizer.zero_grad()
+            with PeakMemoryTracker() as tracker:
+                out = forward_backward(forward_step_func=forward_step, data_iterator=iter([batch]), model=[wrapped],
+                                       num_microbatches=1, seq_length=N, micro_batch_size=B // dp,
+                                       forward_only=False)
+            peaks.append(tracker.peak_bytes)
+            local = torch.tensor([out[0]["lm loss"].item()])
+            dist.all_reduce(local, group=pg.dp_cp)
+            losses.append(local.item() / pg.dp_cp.size())
+            if step == 0 and not shard:
+                grads = _gather_stage([(n, p.main_grad) for n, p in stage.model.named_parameters()], arch, vocab,
+                                      pg, 0)
+            optimizer.step()
+        state = optimizer_state_bytes(optimizer)
+        if shard:
+            state.update({f"buffer_{k}": v for k, v in fsdp_buffer_bytes(wrapped).items()})
+        dtypes = tuple(sorted({str(p.dtype) for p in stage.model.parameters()}))
+        return MemoryRunResult(losses, grads, peaks, probe["device"], probe["host"],
+                               offloader.peak_bytes if offloader else 0, offloader.live_bytes if offloader else 0,
+                               state, dtypes)
+    finally:
+        destroy_parallel()
