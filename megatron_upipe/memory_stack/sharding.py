@@ -1,0 +1,93 @@
+"""Model states fully sharded over the data- and context-parallel ranks (ZeRO-3) with Megatron-FSDP.
+
+`wrap_fully_sharded(model, tconfig, pg_collection)` replaces megatron-core's DistributedDataParallel: it wraps the
+stage in megatron-core's `FullyShardedDataParallel` (Megatron-FSDP) with `data_parallel_sharding_strategy=
+"optim_grads_params"` over `pg_collection.dp_cp`. Each rank then persistently holds 1/(dp·cp) of
+- the compute parameters (bf16 in bf16 runs; each TransformerLayer is all-gathered just before its forward and its
+  recompute/backward, and freed after),
+- the fp32 main parameters, the fp32 main gradients (reduce-scattered after backward) and Adam's two moments
+  (megatron-core's DistributedOptimizer over the FSDP buffers: build it with `use_distributed_optimizer=True`).
+The schedules, `finalize_model_grads` and `get_megatron_optimizer` take the wrapper exactly as they take DDP.
+
+Why Megatron-FSDP and not torch FSDP2: megatron-core's `TorchFullyShardedDataParallel` builds its DeviceMesh with a
+hard-coded "cuda" device, so on a CPU machine `fully_shard` refuses the (CPU) parameters: "AssertionError: Expects
+the parameter to already be moved to device cuda:0 but got cpu". Megatron-FSDP takes an explicit device and runs on
+gloo once gradient_reduce_div_fusion is off (its fused divide uses ReduceOp.PREMUL_SUM: "RuntimeError: Cannot use
+ReduceOp.PREMUL_SUM with Gloo"); it is also what megatron-core's optimizer and checkpointing know.
+
+Shapes: buffers are flat; parameters become DTensors whose local part is this rank's slice of the flat buffer
+(uneven: a small tensor may live entirely on one rank). Pipeline parallelism is not combined with it here (untested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fsdp_ddp_config(*, use_gloo: bool | None = None):
+    """megatron-core DistributedDataParallelConfig for ZeRO-3 (fp32 main params and main grads)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    if use_gloo is None:
+        use_gloo = not torch.cuda.is_available()
+    return DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        megatron_fsdp_main_params_dtype=torch.float32,
+        megatron_fsdp_main_grads_dtype=torch.float32,
+        overlap_grad_reduce=not use_gloo,
+        overlap_param_gather=not use_gloo,
+        gradient_reduce_div_fusion=not use_gloo,  # PREMUL_SUM does not exist on gloo
+    )
+
+
+def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection, ddp_config=None):
+    """This stage (a GPTModel, or Float16Module around it for bf16) fully sharded over pg_collection.dp_cp.
+
+    Call it where megatron-core's DistributedDataParallel would be built, before `get_megatron_optimizer(
+    OptimizerConfig(..., use_distributed_optimizer=True), [wrapped])`."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    if pg_collection.pp.size() > 1:
+        raise ValueError("fully sharded model states are not combined with pipeline parallelism here (untested): "
+                         "use parallel.pp=1 or memory.shard_model_states=false")
+    ddp_config = ddp_config if ddp_config is not None else fsdp_ddp_config()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return FullyShardedDataParallel(tconfig, ddp_config, model, device=device, pg_collection=pg_collection)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor -> this rank's part
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optimizer) -> dict[str, int]:
+    """This rank's optimizer-held bytes: {"main_params", "exp_avg", "exp_avg_sq"} (local shards of DTensors).
+
+    Works for megatron-core's DistributedOptimizer (sharded or over FSDP) and its FP32/Float16 optimizers."""
+    out = {"main_params": 0, "exp_avg": 0, "exp_avg_sq": 0}
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            out["main_params"] += _nbytes(_local(p))
+            state = inner.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    out[key] += _nbytes(_local(state[key]))
+    return out
+
+
+def fsdp_buffer_bytes(fsdp_model) -> dict[str, int]:
+    """This rank's persistent Megatron-FSDP buffers: {"params", "main_params", "main_grads"} in bytes."""
+    names = {"params": "model_weight_buffer", "main_params": "main_weight_buffer", "main_grads": "main_grad_buffer"}
+    out = dict.fromkeys(names, 0)
+    for group in fsdp_model.param_and_grad_buffer.parameter_groups:
+        for key, attr in names.items():
+            buf = getattr(group, attr, None)
+            out[key] += _nbytes(getattr(buf, "data", None)) if buf is not None else 0
+    return out
