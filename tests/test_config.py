@@ -167,6 +167,9 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
     (["model.num_query_groups=3"], 2, "not a multiple of num_query_groups=3"),
     (["model.num_layers=0"], 2, "model.num_layers=0 must be positive"),
     (["model.preset=llama-9b"], 2, "model.preset='llama-9b' is unknown"),
+    (["memory.offload_checkpoints=true"], 2, "memory.offload_checkpoints=true offloads the layer inputs that full"),
+    (["memory.shard_model_states=true", "parallel.cp=1", "parallel.pp=2", "train.global_batch_size=2"], 2,
+     "memory.shard_model_states=true is not combined with parallel.pp=2"),
 ]
 
 

@@ -119,3 +119,14 @@ def test_offloader_hides_host_copies_from_device_tracker_also_on_fake_tensors():
                     assert torch.equal(z, x * 2)
                 del copy
                 assert off.live_bytes == 0 and off.peak_bytes == nbytes
+
+
+def test_config_switches():
+    from megatron_upipe.config import load_config, validate
+    from tests.test_config import TINY
+
+    plan = validate(load_config(TINY, ["memory.recompute=full", "memory.offload_checkpoints=true",
+                                       "memory.shard_model_states=true"]), 2)
+    assert plan.warnings == ()
+    one = validate(load_config(TINY, ["parallel.cp=1", "memory.shard_model_states=true"]), 1)
+    assert any("nothing to shard" in w for w in one.warnings)

@@ -257,10 +257,23 @@ class MemoryConfig:
     # Sequence chunks of the LM head + vocab-parallel cross-entropy (logits recomputed per chunk in backward, the
     # [s, b, vocab/tp] logits never exist). 1 = off.
     loss_chunks: int = 1
+    # Keep each checkpointed layer input (the one tensor full recompute saves per layer) in host memory until that
+    # layer's backward: pinned memory on CUDA, copied on a side stream (megatron_upipe.memory_stack). Needs
+    # recompute=full.
+    offload_checkpoints: bool = False
+    # ZeRO-3: parameters, fp32 main parameters, gradients and Adam states sharded over the dp x cp ranks
+    # (Megatron-FSDP; layers all-gathered just in time). Implies the sharded optimizer (train.distributed_optimizer
+    # need not be set).
+    shard_model_states: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _refuse(_positive(self, "mlp_chunks", "loss_chunks"))
+        _refuse([
+            *_positive(self, "mlp_chunks", "loss_chunks"),
+            (self.offload_checkpoints and self.recompute != "full",
+             f"memory.offload_checkpoints=true offloads the layer inputs that full recompute saves, but "
+             f"memory.recompute={self.recompute}: set memory.recompute=full or memory.offload_checkpoints=false"),
+        ])
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,14 @@ def validate(config: Config, world_size: int) -> Plan:
         errors.append(f"train.eval_interval={t.eval_interval} but data.split={d.split} leaves no validation data: "
                       f"give the second weight a share, or set train.eval_interval=0")
 
+    # fully sharded model states (memory_stack.sharding)
+    if config.memory.shard_model_states:
+        if p.pp > 1:
+            errors.append(f"memory.shard_model_states=true is not combined with parallel.pp={p.pp} (untested): set "
+                          f"parallel.pp=1 or memory.shard_model_states=false")
+        if dp and dp * p.cp == 1:
+            warnings.append("memory.shard_model_states=true with dp·cp = 1: there is nothing to shard over")
+
     # checkpoints and logging
     if config.checkpoint.interval > t.steps:
         warnings.append(f"checkpoint.interval={config.checkpoint.interval} > train.steps={t.steps}: no periodic "
