@@ -144,3 +144,101 @@ def test_tiled_peak_scales_with_tile_not_sequence(results):
     # With 8 tiles: output, dx, weight gradients and a handful of [s/8, b, ffn] tile tensors, nothing [s, b, ffn].
     assert p8 <= 2 * sbd + weights + 8 * sbf / 8, (p8, sbd, sbf)
     assert p_plain >= p1  # megatron's MLP saves fc1's output and the activation on top
+
+
+# ---- single process: config, spec swap, refusals, the tiled RMSNorm ----
+
+def test_config_switches():
+    from megatron_upipe.config import ConfigError, load_config
+
+    config = load_config(None, ["memory.mlp_chunks=8", "memory.loss_chunks=16"])
+    assert (config.memory.mlp_chunks, config.memory.loss_chunks) == (8, 16)
+    assert (load_config(None).memory.mlp_chunks, load_config(None).memory.loss_chunks) == (1, 1)  # off
+    for key in ("mlp_chunks", "loss_chunks"):
+        with pytest.raises(ConfigError, match=f"memory.{key}=0 must be positive"):
+            load_config(None, [f"memory.{key}=0"])
+
+
+@pytest.mark.parametrize("layout_kw", [dict(), dict(tp=2, sequence_parallel=True, cp=2, cp_strategy="upipe")])
+def test_spec_swaps_mlp_and_norms_only(layout_kw):
+    from megatron_upipe.models.llama import llama_transformer_config
+    from megatron_upipe.models.norm import RMSNorm
+    from megatron_upipe.models.presets import get_preset
+    from megatron_upipe.models.spec import build_cp_plan
+    from megatron_upipe.models.tiled_mlp import TiledMLP, with_tiled_mlp_block
+    from megatron_upipe.models.tiled_norm import TiledRMSNorm
+    from megatron_upipe.parallel import ParallelLayout
+
+    layout = ParallelLayout(**layout_kw)
+    block = build_cp_plan(llama_transformer_config(get_preset(ARCH), layout), layout).block_spec
+    tiled = with_tiled_mlp_block(block, 4)
+    assert len(tiled.layer_specs) == len(block.layer_specs) == 2
+    assert tiled.layer_norm.func is TiledRMSNorm and tiled.layer_norm.keywords == {"chunks": 4}
+    for old, new in zip(block.layer_specs, tiled.layer_specs):
+        assert new.submodules.mlp.func.__self__ is TiledMLP and new.submodules.mlp.keywords["chunks"] == 4
+        assert new.submodules.mlp.keywords["submodules"] is old.submodules.mlp.keywords["submodules"]
+        assert new.submodules.input_layernorm.func is TiledRMSNorm
+        assert new.submodules.pre_mlp_layernorm.func is TiledRMSNorm
+        assert new.submodules.self_attention is old.submodules.self_attention  # attention untouched
+        assert old.submodules.pre_mlp_layernorm is RMSNorm  # the plan's spec is not modified
+    assert block.layer_norm is RMSNorm
+
+
+def test_refuses_other_mlp_specs():
+    from functools import partial
+
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from megatron_upipe.models.tiled_mlp import with_tiled_mlp
+
+    class NormFusedFc1:  # stands in for TE's LayerNormColumnParallelLinear
+        pass
+
+    mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(NormFusedFc1, RowParallelLinear))
+    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(mlp=mlp))
+    with pytest.raises(ValueError, match="set memory.mlp_chunks=1"):
+        with_tiled_mlp(spec, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_rms_norm_equals_rms_norm_and_saves_only_its_input(dtype):
+    """Same output and gradients as norm.RMSNorm; after forward it holds its output and rstd, not the plain
+    norm's float32 input copy and normalised tensor; the backward peak shrinks with the tiles."""
+    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.models.llama import llama_transformer_config
+    from megatron_upipe.models.norm import RMSNorm
+    from megatron_upipe.models.presets import get_preset
+    from megatron_upipe.models.tiled_norm import TiledRMSNorm
+    from megatron_upipe.parallel import ParallelLayout
+    from tests.llama_harness import rel_err
+
+    s, b, d = 1024, 1, 64
+    config = llama_transformer_config(get_preset(ARCH).replace(hidden_size=d), ParallelLayout(), dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(s, b, d, generator=gen).to(dtype)
+    dy = torch.randn(s, b, d, generator=gen).to(dtype)
+    results = {}
+    for name, norm in (("plain", RMSNorm(config, d)), ("tiled1", TiledRMSNorm(config, d, chunks=1)),
+                       ("tiled8", TiledRMSNorm(config, d, chunks=8))):
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=torch.Generator().manual_seed(1)))
+        xi = x.clone().requires_grad_()
+        with PeakMemoryTracker() as mem:
+            y = norm(xi)
+            after_forward = mem.live_bytes
+            y.backward(dy)
+        results[name] = (y.detach(), xi.grad, norm.weight.grad, after_forward, mem.peak_bytes)
+    ref = results["plain"]
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    sbd, rstd = s * b * d * x.element_size(), s * b * 4
+    for name in ("tiled1", "tiled8"):
+        y, dx, dw, after_forward, peak = results[name]
+        assert y.dtype == ref[0].dtype and rel_err(y, ref[0]) < tol and rel_err(dx, ref[1]) < tol
+        assert rel_err(dw, ref[2]) < (1e-5 if dtype == torch.float32 else 1e-2)
+        assert after_forward <= sbd + rstd + 64  # its output and rstd
+    fp32_copy = 0 if dtype == torch.float32 else s * b * d * 4  # x.float() is x itself in float32
+    assert ref[3] >= 2 * sbd + fp32_copy  # the plain norm: output, normalised x, float32 copy of x
+    assert results["tiled8"][4] < results["tiled1"][4] and results["tiled8"][4] < ref[4] / 2

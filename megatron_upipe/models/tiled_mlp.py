@@ -11,7 +11,13 @@ all-reduced once (RowParallel semantics). The autograd Function saves only its i
 Backward, per tile: re-gather x and dout, recompute fc1 and SwiGLU, accumulate dW2, dW1 (float32 accumulators
 for low-precision weights) and write dx (reduce-scattered per tile with SP, all-reduced once without).
 Transient memory is O(T·F/t) instead of O(s_l·F/t); the all-gather/reduce-scatter volume equals megatron's.
-The layer spec swaps it in (`with_tiled_mlp`), so `memory.mlp_chunks` changes no parameter or checkpoint.
+The layer spec swaps it in (`with_tiled_mlp`), so `memory.mlp_chunks` changes no parameter or checkpoint;
+`with_tiled_mlp_block` also swaps the layers' RMSNorms for `TiledRMSNorm` (same weight, saves only its input).
+
+The pre-MLP norm is not fused into the op: its output [s_l, b, D] (saved here as the op's input) is the one
+[s_l, b, D] tensor fusion would remove, and fusing would either move the norm weight into the MLP (TE's
+`linear_fc1.layer_norm_weight`, a different checkpoint and HF layout) or override TransformerLayer's private
+pre-MLP-norm step, which also carries megatron's norm recompute and activation offload hooks.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_upipe.models.norm import RMSNorm
 from megatron_upipe.models.seq_tiles import gather_tile, reduce_scatter_tile, tile_bounds, tp_size
+from megatron_upipe.models.tiled_norm import TiledRMSNorm
 
 
 def _acc_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -167,5 +175,16 @@ def with_tiled_mlp(layer_spec: ModuleSpec, chunks: int) -> ModuleSpec:
 
 
 def with_tiled_mlp_block(block: TransformerBlockSubmodules, chunks: int) -> TransformerBlockSubmodules:
-    """The block spec with every layer's MLP tiled into `chunks` sequence tiles."""
-    return dataclasses.replace(block, layer_specs=[with_tiled_mlp(s, chunks) for s in block.layer_specs])
+    """The block spec with every layer's MLP tiled into `chunks` sequence tiles, and its RMSNorms (input,
+    pre-MLP, final) replaced by `TiledRMSNorm`, which saves only its input (see tiled_norm.py)."""
+    norm = partial(TiledRMSNorm, chunks=chunks)
+    layers = []
+    for layer_spec in block.layer_specs:
+        spec = with_tiled_mlp(layer_spec, chunks)
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            if getattr(spec.submodules, name) is RMSNorm:
+                setattr(spec.submodules, name, norm)
+        layers.append(spec)
+    return dataclasses.replace(
+        block, layer_specs=layers, layer_norm=norm if block.layer_norm is RMSNorm else block.layer_norm
+    )

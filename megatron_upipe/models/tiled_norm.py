@@ -1,0 +1,67 @@
+"""RMSNorm that saves only its input and per-token 1/rms, computing in sequence tiles.
+
+Legend: s_l tokens of this rank, T tokens of one tile, b batch, D hidden size.
+
+The plain `RMSNorm` (norm.py) is three autograd ops; in bf16 they keep a float32 copy of the input and the
+normalised bf16 tensor for backward: 6 bytes per element of [s_l, b, D] on top of the input, i.e. three bf16
+[s_l, b, D] tensors per norm (at 750K tokens per rank and D=4096: 18 GiB per norm, two norms per layer). This
+norm's autograd Function saves the input x (the residual stream, alive anyway) and rstd [s_l, b, 1] float32; both
+passes work tile by tile, so the float32 temporaries are [T, b, D]. Same formula as `RMSNorm` (float32, cast
+back, then the weight), same parameter, same `sequence_parallel` marking (weight gradient all-reduced over TP by
+megatron's finalize_model_grads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_upipe.models.norm import RMSNorm
+from megatron_upipe.models.seq_tiles import tile_bounds
+
+
+class _TiledRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, chunks):
+        # x [s_l, b, D], weight [D] -> [s_l, b, D]
+        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)  # [s_l, b, D]
+        rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)  # [s_l, b, 1]
+        for start, end in tile_bounds(x.shape[0], chunks):
+            x32 = x[start:end].float()  # [T, b, D]
+            torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[start:end])
+            torch.mul(weight, (x32 * rstd[start:end]).to(x.dtype), out=out[start:end])
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.chunks = chunks
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, rstd = ctx.saved_tensors
+        dx = torch.empty_like(x)  # [s_l, b, D]
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [D]
+        for start, end in tile_bounds(x.shape[0], ctx.chunks):
+            r = rstd[start:end]  # [T, b, 1]
+            xhat = x[start:end].float() * r  # [T, b, D]
+            dy = dout[start:end]
+            dw += (dy * xhat.to(x.dtype)).sum((0, 1), dtype=torch.float32)  # d weight of weight * y
+            g = (dy * weight).float()  # [T, b, D], d xhat
+            mean = (g * xhat).mean(-1, keepdim=True)  # [T, b, 1]
+            dx[start:end] = g.sub_(xhat.mul_(mean)).mul_(r)  # r·(g - xhat·mean(g·xhat)), cast to x's dtype
+        return dx, dw.to(weight.dtype), None, None
+
+
+def tiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, chunks: int) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x², -1) + eps)) in float32, cast to x's dtype before the weight; [s, b, D]."""
+    return _TiledRMSNorm.apply(x, weight, eps, chunks)
+
+
+class TiledRMSNorm(RMSNorm):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *, chunks: int) -> None:
+        if chunks < 1:
+            raise ValueError(f"norm chunks={chunks} must be positive")
+        super().__init__(config, hidden_size, eps)
+        self.chunks = chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
+        return tiled_rms_norm(x, self.weight, self.eps, self.chunks)
