@@ -3,7 +3,7 @@
 One 2-rank gloo job (float32, vocabulary sharded over TP where tp=2):
 - the tiny Llama trained one Adam step with loss_chunks=3 (chunks of unequal size) equals the plain model of the
   same layout (loss rtol 1e-5, every gradient and updated parameter relative norm error <= 1e-5) for tp1 (dp2),
-  tp2 with and without sequence parallelism, and CP2 UPipe with the tiled MLP as well;
+  tp2 with and without sequence parallelism, pp2, and CP2 UPipe with the tiled MLP as well;
 - per token, `chunked_lm_loss` equals megatron's `output_layer` + `vocab_parallel_cross_entropy`, with the same
   gradients for the hidden states and the output weight (tp1 and tp2+SP), and `ChunkedLossGPTModel` returns the
   same per-token loss [b, s] as GPTModel and the same logits without labels;
@@ -23,6 +23,7 @@ PAIRS = [  # (layout, mlp_chunks): plain vs loss_chunks=CHUNKS (and the mlp_chun
     (dict(dp=2), 1),
     (dict(tp=2, sequence_parallel=True), 1),
     (dict(tp=2), 1),
+    (dict(pp=2), 1),  # the loss runs on the last stage only
     (dict(cp=2, cp_strategy="upipe"), CHUNKS),
 ]
 MEM = dict(s=512, b=1, hidden=32, vocab=2048, chunks=8)  # peak measurement, tp1, float32

@@ -26,7 +26,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-from megatron_upipe.models.seq_tiles import gather_tile, reduce_scatter_tile, tile_bounds, tp_size
+from megatron_upipe.models.seq_tiles import (
+    accumulate_matmul,
+    gather_tile,
+    grad_accumulator,
+    reduce_scatter_tile,
+    tile_bounds,
+    tp_size,
+)
 
 
 def _chunk_view(x: torch.Tensor, start: int, end: int, t: int, sp: bool) -> torch.Tensor:
@@ -87,8 +94,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         group, sp = ctx.group, ctx.sp
         t = tp_size(group)
         vocab_start, vocab_end = ctx.vocab_range
-        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
-        dweight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)  # [V/t, D]
+        dweight = grad_accumulator(weight)  # [V/t, D]
         dhidden = torch.empty_like(hidden)  # [s_l, b, D]
         for start, end in tile_bounds(hidden.shape[0], ctx.chunks):
             h = gather_tile(hidden[start:end], group, sp)  # [t·T, b, D]
@@ -96,20 +102,19 @@ class _ChunkedLMLoss(torch.autograd.Function):
             mx = _chunk_rows(logits_max, start, end, t, sp)  # [t·T, b]
             logits32 = F.linear(h, weight).float()  # [t·T, b, V/t], recomputed
             sum_exp_c = _chunk_rows(sum_exp, start, end, t, sp)  # [t·T, b]
-            softmax = logits32.sub_(mx.unsqueeze(-1)).exp_().div_(sum_exp_c.unsqueeze(-1))  # megatron's order
+            # [t·T, b] -> [t·T, b, 1] broadcasts; megatron's operation order
+            softmax = logits32.sub_(mx.unsqueeze(-1)).exp_().div_(sum_exp_c.unsqueeze(-1))
             target_mask = (target < vocab_start) | (target >= vocab_end)
             masked_target = (target - vocab_start).masked_fill_(target_mask, 0)  # [t·T, b]
             grad2d, arange, update, grad = VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
                 softmax, target_mask
             )
             grad = VocabParallelCrossEntropy.calculate_gradients(
-                grad2d, arange, masked_target.view(-1), update, grad, _chunk_rows(dloss, start, end, t, sp)
+                grad2d, arange, masked_target.view(-1), update, grad,  # [t·T, b] -> [t·T·b]
+                _chunk_rows(dloss, start, end, t, sp),
             ).to(weight.dtype)  # [t·T, b, V/t], dlogits
             del softmax, grad2d
-            if acc_dtype == grad.dtype:
-                dweight.addmm_(grad.flatten(0, 1).t(), h.flatten(0, 1))  # [V/t, t·T·b] @ [t·T·b, D]
-            else:
-                dweight.add_(grad.flatten(0, 1).t() @ h.flatten(0, 1))
+            accumulate_matmul(dweight, grad.flatten(0, 1).t(), h.flatten(0, 1))  # [V/t, t·T·b] @ [t·T·b, D]
             dh = grad @ weight  # [t·T, b, D], partial sums over TP
             del grad
             dhidden[start:end] = reduce_scatter_tile(dh, group) if sp else dh  # [T, b, D]

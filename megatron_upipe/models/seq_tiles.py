@@ -1,4 +1,5 @@
-"""Sequence tiles and their tensor-parallel resharding, shared by the tiled MLP and the chunked LM loss.
+"""Sequence tiles, their tensor-parallel resharding and weight-gradient accumulation over tiles, shared by the
+tiled MLP and the chunked LM loss.
 
 Legend: s_l tokens of this rank ([s/C] without sequence parallelism, [s/(C·t)] with it), T tokens of one tile,
 b batch, h any hidden size, t tensor-parallel size.
@@ -52,3 +53,18 @@ def reduce_scatter_tile(y: torch.Tensor, group) -> torch.Tensor:
 
 def tp_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
+
+
+def grad_accumulator(weight: torch.Tensor) -> torch.Tensor:
+    """Zeros like `weight`, in float32 for bf16/fp16 weights: per-tile weight gradients are summed in float32."""
+    dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+
+
+def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b; acc may be float32 while a, b are bf16/fp16 (each tile's product is rounded to their dtype
+    first, as megatron's per-micro-batch weight gradients are before they reach main_grad)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)

@@ -37,21 +37,20 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_upipe.models.norm import RMSNorm
-from megatron_upipe.models.seq_tiles import gather_tile, reduce_scatter_tile, tile_bounds, tp_size
+from megatron_upipe.models.seq_tiles import (
+    accumulate_matmul,
+    gather_tile,
+    grad_accumulator,
+    reduce_scatter_tile,
+    tile_bounds,
+    tp_size,
+)
 from megatron_upipe.models.tiled_norm import TiledRMSNorm
-
-
-def _acc_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with acc possibly float32 while a, b are bf16/fp16."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc.add_(a @ b)
 
 
 def _swiglu(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, b, 2F/t] -> (gate, up, silu(gate)), each [T, b, F/t] (gate, up are views of h)."""
-    gate, up = torch.chunk(h, 2, dim=-1)
+    gate, up = torch.chunk(h, 2, dim=-1)  # [T, b, 2F/t] -> 2 x [T, b, F/t]
     return gate, up, F.silu(gate)
 
 
@@ -77,9 +76,7 @@ class _TiledSwiGLUMLP(torch.autograd.Function):
         x, w1, w2 = ctx.saved_tensors
         group, sp = ctx.group, ctx.sequence_parallel
         t = tp_size(group)
-        acc_dtype = torch.float32 if w1.dtype in (torch.bfloat16, torch.float16) else w1.dtype
-        dw1 = torch.zeros(w1.shape, dtype=acc_dtype, device=w1.device)  # [2F/t, D]
-        dw2 = torch.zeros(w2.shape, dtype=acc_dtype, device=w2.device)  # [D, F/t]
+        dw1, dw2 = grad_accumulator(w1), grad_accumulator(w2)  # [2F/t, D], [D, F/t]
         dx = torch.empty_like(x)  # [s_l, b, D]
         f = w2.shape[1]
         for start, end in tile_bounds(x.shape[0], ctx.chunks):
@@ -88,7 +85,7 @@ class _TiledSwiGLUMLP(torch.autograd.Function):
             h = F.linear(xt, w1)  # [t·T, b, 2F/t], recomputed
             gate, up, act = _swiglu(h)
             a = act * up  # [t·T, b, F/t]
-            _acc_matmul(dw2, dyt.flatten(0, 1).t(), a.flatten(0, 1))  # [D, t·T·b] @ [t·T·b, F/t]
+            accumulate_matmul(dw2, dyt.flatten(0, 1).t(), a.flatten(0, 1))  # [D, t·T·b] @ [t·T·b, F/t]
             del a
             da = dyt @ w2  # [t·T, b, F/t]
             dh = torch.empty_like(h)  # [t·T, b, 2F/t] rows [gate; up] like w1
@@ -96,7 +93,7 @@ class _TiledSwiGLUMLP(torch.autograd.Function):
             del act
             dh[..., :f] = torch.ops.aten.silu_backward(da.mul_(up), gate)  # d gate
             del h, gate, up, da
-            _acc_matmul(dw1, dh.flatten(0, 1).t(), xt.flatten(0, 1))  # [2F/t, t·T·b] @ [t·T·b, D]
+            accumulate_matmul(dw1, dh.flatten(0, 1).t(), xt.flatten(0, 1))  # [2F/t, t·T·b] @ [t·T·b, D]
             dxt = dh @ w1  # [t·T, b, D], partial sums over TP
             dx[start:end] = reduce_scatter_tile(dxt, group) if sp and t > 1 else dxt  # [T, b, D]
         if not sp and t > 1:
