@@ -92,9 +92,9 @@ class MetricsLogger:
                                     mode=log_config.wandb_mode, config=run_config, resume="allow")
 
     def log(self, record: dict, kind: str = "train") -> None:
-        record = {k: _json_value(v) for k, v in record.items()}
         if self.file:
-            self.file.write(json.dumps({"kind": kind, **record}) + "\n")
+            safe = {k: _json_value(v) for k, v in record.items()}
+            self.file.write(json.dumps({"kind": kind, **safe}) + "\n")
             self.file.flush()
         scalars = {f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k not in
                    ("step", "time") and not isinstance(v, bool)}
