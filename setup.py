@@ -21,6 +21,7 @@ setup(
         "sentencepiece",
         "tokenizers",
         "tensorboard",
+        "matplotlib",  # the memory planner's plot
     ],
     extras_require={
         "test": ["pytest>=8", "transformers>=4.45"],

@@ -50,10 +50,12 @@ class ParallelLayout:
         return f"tp{self.tp}{sp}-pp{self.pp}-cp{self.cp}:{self.cp_strategy}{u}-dp{self.dp}"
 
 
-def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None):
+def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None,
+                        gloo_groups: bool = True):
     """Initialise megatron-core's parallel state for `layout` on the already-initialised default process group.
 
-    Installs the CPU adaptation first when there is no GPU, seeds the CPU generator and megatron's RNG tracker,
+    `gloo_groups=False` skips megatron's auxiliary gloo groups (the memory planner's fake process group cannot
+    create them). Installs the CPU adaptation first when there is no GPU, seeds the CPU generator and megatron's RNG tracker,
     and returns megatron's `ProcessGroupCollection` (tp, pp, cp, dp, dp_cp, ...) to pass down explicitly.
     `timeout_s` bounds every collective on megatron's groups (None: megatron-core's 30 minutes), so a dead or hung
     peer ends the job instead of blocking it. Call `destroy_parallel()` before initialising another layout in the
@@ -78,6 +80,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        create_gloo_process_groups=gloo_groups,
         **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
     torch.manual_seed(seed)

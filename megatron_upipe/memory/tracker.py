@@ -10,12 +10,17 @@ See ../shared/docs/measuring-memory.md (on these machines) for why process RSS i
     with PeakMemoryTracker() as mem:
         loss = f(x); loss.backward()
     mem.peak_bytes, mem.live_bytes
+
+With `classify` (a function of the allocating op, called at allocation time; it may inspect the Python stack),
+live bytes are also kept per category and `peak_breakdown` holds the categories' bytes at the peak.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,32 +28,54 @@ from torch.utils._pytree import tree_flatten
 
 
 class PeakMemoryTracker(TorchDispatchMode):
-    def __init__(self, record_timeline: bool = False):
+    def __init__(self, record_timeline: bool = False, classify: Callable[[object], str] | None = None):
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._seen: set[int] = set()
+        self._seen: dict[int, str] = {}  # storage key -> category
         self.timeline: list[tuple[str, int, int]] | None = [] if record_timeline else None  # (op, delta, live)
+        self.classify = classify
+        self.live_by_category: dict[str, int] = defaultdict(int)
+        self.peak_breakdown: dict[str, int] = {}
 
     def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
+        category = self._seen.pop(key, "all")
         self.live_bytes -= nbytes
+        self.live_by_category[category] -= nbytes
         if self.timeline is not None:
             self.timeline.append(("free", -nbytes, self.live_bytes))
 
-    def track(self, t: torch.Tensor, name: str = "external") -> None:
+    def track(self, t: torch.Tensor, name: str = "external", category: str | None = None) -> None:
         """Count a tensor's storage from now on (e.g. one made before the tracker started)."""
         st = t.untyped_storage()
         key = st._cdata
         if key in self._seen:
             return
         nbytes = st.nbytes()
-        self._seen.add(key)
+        if category is None:
+            category = self.classify(name) if self.classify is not None else "all"
+        self._seen[key] = category
         weakref.finalize(st, self._free, key, nbytes)
         self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.live_by_category[category] += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            if self.classify is not None:
+                self.peak_breakdown = {k: v for k, v in self.live_by_category.items() if v}
         if self.timeline is not None:
-            self.timeline.append((name, nbytes, self.live_bytes))
+            self.timeline.append((str(name), nbytes, self.live_bytes))
+
+    def retag(self, t: torch.Tensor, category: str) -> None:
+        """Count a tracked tensor's storage under `category` from now on (registers it if it is new)."""
+        st = t.untyped_storage()
+        key = st._cdata
+        old = self._seen.get(key)
+        if old is None:
+            self.track(t, category=category)
+        elif old != category:
+            self.live_by_category[old] -= st.nbytes()
+            self.live_by_category[category] += st.nbytes()
+            self._seen[key] = category
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -58,7 +85,7 @@ class PeakMemoryTracker(TorchDispatchMode):
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self.track(t, str(func))
+                self.track(t, func)
         return out
 
     def reset_peak(self) -> None:

@@ -29,12 +29,15 @@ def check_distributed_optimizer(config: Config) -> None:
             "resumed. Set train.distributed_optimizer=false (the plain optimizer resumes exactly).")
 
 
-def wrap_model(model, tconfig, config: Config):
-    """Float16Module (bf16 runs) + megatron-core DDP; returns the module the schedules and optimizer take."""
+def wrap_model(model, tconfig, config: Config, *, float16_module: bool = True):
+    """Float16Module (bf16 runs) + megatron-core DDP; returns the module the schedules and optimizer take.
+
+    float16_module=False skips the Float16Module (the memory planner: its parameters are already built in bf16,
+    and fake-tensor parameters cannot be swapped by its cast; it only casts the [b, s] loss output to fp32)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
 
-    module = Float16Module(tconfig, model) if tconfig.bf16 else model
+    module = Float16Module(tconfig, model) if tconfig.bf16 and float16_module else model
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=config.train.distributed_optimizer,
@@ -44,19 +47,22 @@ def wrap_model(model, tconfig, config: Config):
     return ddp
 
 
-def build_optimizer(ddp, tconfig, config: Config):
-    """(optimizer, scheduler) for the DDP-wrapped stage."""
+def build_optimizer(ddp, tconfig, config: Config, *, planning: bool = False):
+    """(optimizer, scheduler) for the DDP-wrapped stage. planning=True is the memory planner's build of the GPU
+    configuration on a CPU machine under a fake process group: the distributed optimizer is allowed (the planner
+    never saves a checkpoint) and megatron's auxiliary gloo groups are not used (a fake group cannot make them)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    check_distributed_optimizer(config)
+    if not planning:
+        check_distributed_optimizer(config)
     t = config.train
     opt_config = OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=tconfig.bf16,
         params_dtype=tconfig.params_dtype, use_distributed_optimizer=t.distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=not planning)
     tconfig.grad_scale_func = optimizer.scale_loss  # 1.0 for fp32 / bf16 (no loss scaling)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,

@@ -1,0 +1,178 @@
+"""From a simulated step to a per-GPU verdict: kernel workspace, stated margins, fit, and the longest context.
+
+Device peak = max(tracked step peak, tracked peak at the attention op + attention-kernel workspace), then
+fragmentation on top, then the CUDA context and NCCL buffers (outside PyTorch's allocator). Every term is a named
+entry of the breakdown so a reader can see what decides the verdict.
+
+Strategies are named `none`, `ulysses`, `upipe` (smallest legal U) or `upipe:U`. `none` means no context
+parallelism (cp = 1, the spare ranks become data parallel); it runs our attention op with C = 1, i.e. flash
+attention with its explicit backward, so it is compared on the same kernels as the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+from megatron_upipe.attention.schedule import make_schedule
+from megatron_upipe.config import Config, load_config, validate
+from megatron_upipe.planner.simulate import StepMemory, simulate_step
+
+GIB = 1 << 30
+CONTEXT_STEP = 128 * 1024  # --max-context searches multiples of 128K tokens
+
+
+@dataclass(frozen=True)
+class Margins:
+    """Memory outside the tracker's view, stated rather than hidden."""
+
+    cuda_context_bytes: int = int(0.75 * GIB)  # CUDA context, cuBLAS/cuDNN handles (not in torch's allocator)
+    nccl_bytes: int = 1 * GIB  # NCCL communicator buffers
+    fragmentation: float = 0.05  # caching-allocator slack over the live peak, with expandable_segments
+
+
+def flash_workspace_bytes(config: Config, world_size: int) -> int:
+    """Scratch of one flash-attention backward call (flash-attn 2 layout), per rank, for this config's stage.
+
+    dq accumulator in fp32 [b, N, m, d], softmax row statistic fp32 [b, m, N], and, when the call's query heads
+    outnumber its KV heads, dK/dV expanded to the query heads in bf16 (2 x [b, N, m, d]). m and the KV heads of
+    one call follow the UPipe schedule (m = U / C; Ulysses: all local heads).
+    """
+    plan = validate(config, world_size)
+    H, G, C = plan.local_heads, plan.local_kv_heads, config.parallel.cp
+    U = plan.heads_per_stage if config.parallel.cp_strategy == "upipe" else H
+    sched = make_schedule(H, G, C, U)
+    m, w = sched.q_per_rank, sched.stages[0].kv_slots[1] - sched.stages[0].kv_slots[0]
+    b, N, d = plan.micro_batch_size, plan.seq_length, plan.arch.kv_channels
+    dq_accum = b * N * m * d * 4
+    stats = b * m * N * 4
+    expanded = 2 * b * N * m * d * 2 if m > w else 0
+    return dq_accum + stats + expanded
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """A config file plus overrides; `load(extra)` resolves it with more overrides on top (later ones win)."""
+
+    path: str | None
+    overrides: tuple[str, ...] = ()
+
+    def load(self, extra: list[str] = ()) -> Config:
+        return load_config(self.path, [*self.overrides, *extra])
+
+
+@dataclass(frozen=True)
+class Estimate:
+    strategy: str
+    seq_length: int
+    peak_bytes: int  # device bytes per GPU, workspace and margins included
+    fits: bool
+    breakdown: dict[str, int]
+    host_bytes: int  # offloaded checkpoints per rank
+    gpu_mem_bytes: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def strategy_overrides(strategy: str, cp: int) -> list[str]:
+    """Config overrides that select `strategy` (see the module docstring)."""
+    name, _, u = strategy.partition(":")
+    if name == "none":
+        return ["parallel.cp=1", "parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=null"]
+    if name == "ulysses":
+        return [f"parallel.cp={cp}", "parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=null"]
+    if name == "upipe":
+        return [f"parallel.cp={cp}", "parallel.cp_strategy=upipe",
+                f"parallel.upipe_heads_per_stage={u if u else 'null'}"]
+    raise ValueError(f"strategy {strategy!r} is unknown; use none, ulysses, upipe or upipe:U")
+
+
+def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, seq_length: int,
+             gpu_mem_bytes: int, margins: Margins = Margins()) -> Estimate:
+    extra = strategy_overrides(strategy, source.load().parallel.cp) + [f"train.seq_length={seq_length}"]
+    if strategy == "none":  # the spare ranks become data parallel, with the global batch following
+        extra += ["parallel.dp=null", "train.global_batch_size=null"]
+    cfg = source.load(extra)
+    step: StepMemory = simulate_step(cfg, world_size, vocab_size)
+    workspace = flash_workspace_bytes(cfg, world_size)
+    breakdown = dict(step.breakdown)
+    at_attention = step.attention_peak_bytes + workspace
+    if at_attention > step.peak_bytes:  # the peak moves into the attention backward
+        breakdown = {**(step.attention_peak_breakdown or {}), "workspace": workspace}
+        device = at_attention
+    else:
+        device = step.peak_bytes
+    frag = int(device * margins.fragmentation)
+    breakdown.update({"margin: fragmentation": frag, "margin: cuda context": margins.cuda_context_bytes,
+                      "margin: nccl": margins.nccl_bytes})
+    total = device + frag + margins.cuda_context_bytes + margins.nccl_bytes
+    return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes, breakdown, step.host_peak_bytes,
+                    gpu_mem_bytes)
+
+
+def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, gpu_mem_bytes: int,
+                margins: Margins = Margins(), limit: int = 64 * 1024 * 1024, log=print) -> tuple[int, list[Estimate]]:
+    """Longest multiple of 128K tokens that fits (0 if none), by doubling then bisection; and every estimate made.
+
+    Assumes peak memory grows with the sequence length (it does: every activation term is linear in it)."""
+    seen: list[Estimate] = []
+
+    def fits(k: int) -> bool:
+        est = estimate(source, world_size, vocab_size, strategy, k * CONTEXT_STEP, gpu_mem_bytes, margins)
+        seen.append(est)
+        log(f"  {strategy:>10} {k * CONTEXT_STEP:>10} tokens: {est.peak_bytes / GIB:7.1f} GiB "
+            f"{'fits' if est.fits else 'does not fit'}")
+        return est.fits
+
+    if not fits(1):
+        return 0, seen
+    lo, hi = 1, 2
+    while hi * CONTEXT_STEP <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi * CONTEXT_STEP > limit:
+        return lo * CONTEXT_STEP, seen
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * CONTEXT_STEP, seen
+
+
+def write_json(path: str, max_ctx: dict[str, int], results: list[Estimate]) -> None:
+    with open(path, "w") as f:
+        json.dump({"max_context": max_ctx, "results": [
+            {"strategy": r.strategy, "seq_length": r.seq_length, "peak_bytes": r.peak_bytes, "fits": r.fits,
+             "breakdown": r.breakdown, "host_bytes": r.host_bytes} for r in results]}, f, indent=1)
+
+
+def plot(path: str, results: list[Estimate], gpu_mem_bytes: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r.strategy for r in results):
+        pts = sorted((r.seq_length, r.peak_bytes) for r in results if r.strategy == name)
+        ax.plot([p[0] / 2**20 for p in pts], [p[1] / GIB for p in pts], marker="o", label=name)
+    ax.axhline(gpu_mem_bytes / GIB, color="black", linestyle="--", label="HBM")
+    ax.set_xlabel("context length (M tokens)")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_breakdown(est: Estimate) -> str:
+    parts = [f"{k} {v / GIB:.2f}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]) if v]
+    host = f"; host {est.host_bytes / GIB:.2f} GiB" if est.host_bytes else ""
+    return f"{est.strategy} @ {est.seq_length}: {est.peak_bytes / GIB:.2f} GiB ({', '.join(parts)}){host}"
+
+
+def round_up_context(tokens: int) -> int:
+    return math.ceil(tokens / CONTEXT_STEP) * CONTEXT_STEP

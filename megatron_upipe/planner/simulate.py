@@ -1,0 +1,285 @@
+"""Rank 0's training step at full scale, without memory: fake tensors, a fake process group, the real code.
+
+`simulate_step(config, world_size)` builds the model, DDP wrapper and optimizer of pipeline stage 0 exactly as
+`pretrain_llama.py` does (same builders), under `FakeTensorMode` and torch's fake process group of `world_size`
+ranks, then runs one training step (megatron-core's forward/backward schedule over every micro-batch, and the
+optimizer's first-step state) inside a `PeakMemoryTracker`. The model states made during the build are registered
+with the tracker as such; everything the step allocates is attributed by the Python stack at allocation time.
+
+Categories: params, grads, optimizer (fp32 main weights and Adam moments), checkpoints (transformer-layer inputs
+alive: the recompute checkpoints), attention, mlp, loss (LM head, cross-entropy), norms, embedding, other.
+Host memory (offloaded checkpoints) comes from the offloader's ledger. Kernel workspaces the tracker cannot see
+are added by the caller (estimate.py). Must run in a process without a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from megatron_upipe.config import Config, validate
+from megatron_upipe.memory.tracker import PeakMemoryTracker
+
+# (path fragment, category), matched against the frames of the allocating call from the innermost outwards.
+_STACK_RULES = (
+    ("megatron_upipe/attention/", "attention"),
+    ("megatron_upipe/models/upipe_attention.py", "attention"),
+    ("megatron/core/transformer/attention.py", "attention"),
+    ("megatron_upipe/models/tiled_mlp.py", "mlp"),
+    ("megatron/core/transformer/mlp.py", "mlp"),
+    ("megatron_upipe/models/chunked_loss.py", "loss"),
+    ("cross_entropy.py", "loss"),
+    ("megatron/core/models/gpt/gpt_model.py", "loss"),
+    ("megatron_upipe/models/norm.py", "norms"),
+    ("language_model_embedding.py", "embedding"),
+    ("megatron/core/optimizer/", "optimizer"),
+)
+CATEGORIES = ("params", "grads", "optimizer", "checkpoints", "attention", "mlp", "loss", "norms", "embedding",
+              "other")
+
+
+def classify_by_stack(_func) -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        for fragment, category in _STACK_RULES:
+            if fragment in name:
+                return category
+        frame = frame.f_back
+    return "other"
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    peak_bytes: int  # device: model states + activations at the step's peak (no workspace, no margins)
+    breakdown: dict[str, int]  # category -> bytes alive at the peak
+    host_peak_bytes: int  # offloaded checkpoints
+    model_state_bytes: int
+    seq_length: int
+    num_parameters: int  # this rank's stage
+    attention_peak_bytes: int = 0  # most bytes alive at an allocation of the attention op
+    attention_peak_breakdown: dict | None = None
+
+
+def _layout(config: Config, plan):
+    from megatron_upipe.parallel import ParallelLayout
+
+    p = config.parallel
+    return ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=plan.dp, sequence_parallel=p.sequence_parallel,
+                          cp_strategy=p.cp_strategy, upipe_heads_per_stage=plan.heads_per_stage)
+
+
+def _retag_layer_inputs(model, tracker: PeakMemoryTracker):
+    """Forward pre-hooks: each transformer layer's input storage is counted as a checkpoint from then on."""
+    handles = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == "TransformerLayer":
+            def pre(mod, args, kwargs):
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                if isinstance(hidden, torch.Tensor):
+                    tracker.retag(hidden, "checkpoints")
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+class _PlannerTracker(PeakMemoryTracker):
+    """Also remembers the most bytes alive at any allocation made by the attention op: kernel workspace that the
+    tracker cannot see (attention backward) adds to that moment, not to the step's peak elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__(classify=classify_by_stack)
+        self.attention_peak_bytes = 0
+        self.attention_peak_breakdown: dict[str, int] = {}
+
+    def track(self, t, name="external", category=None) -> None:
+        super().track(t, name, category)
+        key = t.untyped_storage()._cdata
+        if self._seen.get(key) == "attention" and self.live_bytes > self.attention_peak_bytes:
+            self.attention_peak_bytes = self.live_bytes
+            self.attention_peak_breakdown = {k: v for k, v in self.live_by_category.items() if v}
+
+
+def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool) -> StepMemory:
+    """Build this rank's stage as the training job does and track one step (on real or fake tensors alike)."""
+    from megatron_upipe.models.llama import build_llama, llama_transformer_config
+    from megatron_upipe.training import loop
+    from megatron_upipe.training.optim import build_optimizer, wrap_model
+
+    recompute = None if config.memory.recompute == "none" else config.memory.recompute
+    tconfig = llama_transformer_config(plan.arch, layout, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                       init_method_std=config.model.init_method_std, recompute_granularity=recompute)
+    stage = build_llama(plan.arch, layout, pg, vocab_size=vocab_size, config=tconfig, **_memory_kwargs(config))
+    ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
+    with _symmetric_object_collectives() if planning else nullcontext():
+        optimizer, _ = build_optimizer(ddp, tconfig, config, planning=planning)
+    with _PlannerTracker() as mem:
+        state_bytes = _register_model_states(mem, stage.model, ddp, optimizer)
+        moments = _materialise_adam(mem, optimizer)  # alive through every step after the first
+        state_bytes += sum(m.untyped_storage().nbytes() for m in moments)
+        handles = _retag_layer_inputs(stage.model, mem)
+        b, s = plan.micro_batch_size, plan.seq_per_cp_rank
+        tokens = torch.zeros(b, s, dtype=torch.long)
+        batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(s).expand(b, s),
+                 "loss_mask": torch.ones(b, s)}
+        with _uncoalesced_grad_collectives() if planning else nullcontext():
+            loop._forward_backward(_SimState(plan, ddp), iter([batch] * plan.num_microbatches), forward_only=False)
+        for h in handles:
+            h.remove()
+        del moments
+    n_params = sum(p.numel() for p in stage.model.parameters())
+    return StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
+                      n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown))
+
+
+class _RealInputsStayReal(TorchDispatchMode):
+    """Inside FakeTensorMode: an op whose tensor inputs are all real (none fake) runs for real. megatron-core
+    compares CPU RNG states with `.item()` (tensor_parallel.random.fork), which fake tensors cannot answer; such
+    bookkeeping tensors are small and real. Factories (no tensor inputs) still make fake tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def simulate_step(config: Config, world_size: int, vocab_size: int) -> StepMemory:
+    """Peak memory of rank 0 for one training step of `config` on `world_size` GPUs (bf16 unless train.bf16=false)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_upipe.parallel import destroy_parallel, initialize_parallel
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate_step needs a process without a process group (it creates a fake one)")
+    plan = validate(config, world_size)
+    layout = _layout(config, plan)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        pg = initialize_parallel(layout, seed=config.train.seed, gloo_groups=False)
+        with FakeTensorMode(allow_non_fake_inputs=True), _RealInputsStayReal():
+            return measure_step(config, plan, layout, pg, vocab_size, bf16=config.train.bf16 is not False,
+                                planning=True)  # a GPU plan: train.bf16=auto means bf16 there
+    finally:
+        destroy_parallel()
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _symmetric_object_collectives():
+    """Object collectives pickle into tensors and read sizes back with .item(), which fake tensors cannot do;
+    the fake world's ranks are symmetric, so every rank's object is taken to be rank 0's."""
+    original = dist.all_gather_object
+
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
+
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
+class _Works:
+    """Stands in for the coalescing manager's handle: waits on the collectives issued inside it."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+
+    def wait(self) -> None:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+
+
+@contextmanager
+def _uncoalesced_grad_collectives():
+    """megatron-core batches the gradient/parameter collectives of its buckets in torch's `_coalescing_manager`,
+    whose coalesced c10d ops have no fake-tensor implementation; in the simulated step they are issued one by one
+    (same buffers, same memory; only the launch batching differs)."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    original = pgb._coalescing_manager
+
+    @contextmanager
+    def one_by_one(group=None, device=None, async_ops=False):
+        yield _Works()
+
+    pgb._coalescing_manager = one_by_one
+    try:
+        yield
+    finally:
+        pgb._coalescing_manager = original
+
+
+@dataclass
+class _SimState:
+    plan: object
+    ddp: object
+
+
+def _memory_kwargs(config: Config) -> dict:
+    """Keyword arguments of build_llama for the memory switches."""
+    return {"mlp_chunks": config.memory.mlp_chunks, "loss_chunks": config.memory.loss_chunks}
+
+
+def _host_peak(stage) -> int:
+    offloader = getattr(stage, "offloader", None)
+    return 0 if offloader is None else offloader.peak_bytes
+
+
+def _register_model_states(mem: PeakMemoryTracker, model, ddp, optimizer) -> int:
+    before = mem.live_bytes
+    for buffer in getattr(ddp, "buffers", []):
+        if getattr(buffer, "param_data", None) is not None:
+            mem.track(buffer.param_data, category="params")
+        if getattr(buffer, "grad_data", None) is not None:
+            mem.track(buffer.grad_data, category="grads")
+    for p in model.parameters():
+        mem.track(p, category="params")
+        if getattr(p, "main_grad", None) is not None:
+            mem.track(p.main_grad, category="grads")
+    for group in _inner(optimizer).param_groups:
+        for p in group["params"]:
+            mem.track(p, category="optimizer")  # fp32 main weights (bf16 runs) or the params themselves
+    return mem.live_bytes - before
+
+
+def _inner(optimizer):
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    inner = [getattr(o, "optimizer", o) for o in opts]
+    return _ParamGroups([g for o in inner for g in o.param_groups])
+
+
+@dataclass
+class _ParamGroups:
+    param_groups: list
+
+
+def _materialise_adam(mem: PeakMemoryTracker, optimizer) -> list[torch.Tensor]:
+    """Adam's two fp32 moments per main parameter, as its first step creates them (the step itself reads a
+    gradient norm with .item(), which fake tensors cannot give). The caller keeps them alive."""
+    moments = []
+    for group in _inner(optimizer).param_groups:
+        for p in group["params"]:
+            for _ in range(2):
+                t = torch.zeros_like(p, dtype=torch.float32)
+                mem.retag(t, "optimizer")
+                moments.append(t)
+    return moments
+
+
+def step_memory_dict(m: StepMemory) -> dict:
+    return dataclasses.asdict(m)

@@ -1,0 +1,96 @@
+"""The memory planner: its fake-tensor simulation of rank 0 equals the tracked peak of the real run (gloo, real
+tensors, same code) within 1%, and tools/estimate_memory.py searches, reports and plots as documented."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_upipe.config import load_config, validate
+from tests.dist_helper import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 256
+
+# Small CPU configs in float32 (the planner's default is bf16: a GPU plan), 2 ranks.
+CASES = {
+    "upipe cp2, full recompute, tiled MLP, chunked loss": [
+        "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
+        "memory.recompute=full", "memory.mlp_chunks=4", "memory.loss_chunks=4"],
+    "ulysses cp2 x dp1, no recompute": [
+        "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=512"],
+    "tp2 + sequence parallel, upipe off": [
+        "model.preset=tiny-gqa", "parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_length=256"],
+}
+BASE = ["train.bf16=false", f"model.vocab_size={VOCAB}", "data.path=mock", "dist.backend=gloo",
+        "train.micro_batch_size=1"]
+
+
+def _config(case):
+    return load_config(None, BASE + CASES[case])
+
+
+def _simulate_all(rank, world_size):
+    from megatron_upipe.planner.simulate import simulate_step
+
+    torch.distributed.destroy_process_group()  # the planner makes its own fake one
+    return {case: simulate_step(_config(case), 2, VOCAB) for case in CASES}
+
+
+def _real(rank, world_size, case):
+    from megatron_upipe.parallel import destroy_parallel, initialize_parallel
+    from megatron_upipe.planner.simulate import _layout, measure_step
+
+    config = _config(case)
+    plan = validate(config, world_size)
+    layout = _layout(config, plan)
+    pg = initialize_parallel(layout, seed=config.train.seed)
+    try:
+        return measure_step(config, plan, layout, pg, VOCAB, bf16=False, planning=False)
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return run_on_ranks(_simulate_all, 1)[0]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_simulation_matches_real_run_within_1_percent(simulated, case):
+    real = run_on_ranks(_real, 2, case)[0]
+    sim = simulated[case]
+    err = abs(sim.peak_bytes - real.peak_bytes) / real.peak_bytes
+    assert err < 0.01, f"{case}: simulated {sim.peak_bytes} vs real {real.peak_bytes} ({err:.2%})"
+    assert sim.model_state_bytes == real.model_state_bytes
+    assert sum(sim.breakdown.values()) == sim.peak_bytes
+    assert {"params", "grads", "optimizer"} <= set(sim.breakdown)
+
+
+def test_estimate_memory_cli_max_context_json_and_plot(tmp_path):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    proc = subprocess.run(
+        [sys.executable, "tools/estimate_memory.py", "--config", "examples/configs/tiny_cpu.yaml",
+         "--world-size", "2", "--gpu-mem-gib", "3", "--strategies", "ulysses,upipe", "--max-context",
+         "--max-tokens", str(4 * 1024 * 1024), "--cuda-context-gib", "0", "--nccl-gib", "0",
+         "--json", str(out), "--plot", str(png), "model.vocab_size=256", "train.micro_batch_size=1",
+         "train.global_batch_size=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["max_context"]) == {"ulysses", "upipe"}
+    # tiny model, 3 GiB "GPUs": UPipe's smaller attention intermediates buy a longer context than Ulysses
+    assert data["max_context"]["upipe"] > data["max_context"]["ulysses"] > 0
+    for r in data["results"]:
+        assert {"strategy", "seq_length", "peak_bytes", "fits", "breakdown"} <= set(r)
+        assert r["fits"] == (r["peak_bytes"] <= 3 * 2**30)
+    best = max(r["seq_length"] for r in data["results"] if r["strategy"] == "upipe" and r["fits"])
+    assert best == data["max_context"]["upipe"]
+    assert png.stat().st_size > 10_000
+    assert "max context per strategy" in proc.stdout

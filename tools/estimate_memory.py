@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Memory planner: per-GPU peak of a training config at full scale, on a CPU machine, without allocating it.
+
+    python tools/estimate_memory.py --config examples/configs/llama3_8b_upipe_8xh100.yaml [section.key=value ...]
+        [--world-size 8] [--gpu-mem-gib 80] [--strategies none,ulysses,upipe,upipe:16] [--max-context]
+        [--json OUT.json] [--plot OUT.png]
+
+Runs rank 0's real model code (build, DDP, optimizer states, one forward/backward step) under fake tensors and a
+fake process group of the full world size, tracks the live tensors, adds the attention kernel's workspace and the
+stated margins (CUDA context, NCCL, fragmentation), and prints a breakdown. Without --max-context it evaluates the
+config's own train.seq_length for each strategy; with it, it finds the longest multiple of 128K tokens that fits.
+Library code: megatron_upipe/planner/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_upipe.config import ConfigError, validate  # noqa: E402
+from megatron_upipe.planner.estimate import (  # noqa: E402
+    GIB, ConfigSource, Margins, estimate, format_breakdown, max_context, plot, write_json,
+)
+
+
+def _vocab_size(config, plan) -> int:
+    if config.model.vocab_size is not None:
+        return config.model.vocab_size
+    if plan.arch.vocab_size is not None:
+        return plan.arch.vocab_size
+    if config.data.tokenizer is not None:
+        from megatron_upipe.data.tokenizers import build_tokenizer
+
+        return build_tokenizer(config.data.tokenizer).vocab_size
+    raise ConfigError("the vocabulary size is unknown: set model.vocab_size or data.tokenizer")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("--world-size", type=int, default=None, help="GPUs (default: the config's '# world_size' comment "
+                   "or tp*pp*cp)")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0)
+    p.add_argument("--strategies", default=None, help="comma list of none, ulysses, upipe, upipe:U "
+                   "(default: the config's own strategy)")
+    p.add_argument("--max-context", action="store_true", help="search the longest context that fits (128K steps)")
+    p.add_argument("--max-tokens", type=int, default=32 * 1024 * 1024, help="upper bound of the search")
+    p.add_argument("--cuda-context-gib", type=float, default=Margins.cuda_context_bytes / GIB)
+    p.add_argument("--nccl-gib", type=float, default=Margins.nccl_bytes / GIB)
+    p.add_argument("--fragmentation", type=float, default=Margins.fragmentation)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    try:
+        source = ConfigSource(a.config, tuple(a.overrides))
+        config = source.load()
+        p_ = config.parallel
+        world = a.world_size or p_.tp * p_.pp * p_.cp * (p_.dp or 1)
+        plan = validate(config, world)
+        vocab = _vocab_size(config, plan)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    strategies = a.strategies.split(",") if a.strategies else [
+        p_.cp_strategy if p_.cp_strategy != "upipe" or p_.upipe_heads_per_stage is None
+        else f"upipe:{p_.upipe_heads_per_stage}"]
+    margins = Margins(int(a.cuda_context_gib * GIB), int(a.nccl_gib * GIB), a.fragmentation)
+    gpu = int(a.gpu_mem_gib * GIB)
+    print(f"planning {a.config} on {world} GPUs of {a.gpu_mem_gib:g} GiB: {plan.arch}", flush=True)
+
+    results, max_ctx = [], {}
+    for strategy in strategies:
+        if a.max_context:
+            tokens, seen = max_context(source, world, vocab, strategy, gpu, margins, a.max_tokens)
+            max_ctx[strategy] = tokens
+            results += seen
+            fitting = [r for r in seen if r.seq_length == tokens]
+            print(f"{strategy}: max context {tokens} tokens" + (f"\n  {format_breakdown(fitting[0])}" if fitting else ""),
+                  flush=True)
+        else:
+            est = estimate(source, world, vocab, strategy, config.train.seq_length, gpu, margins)
+            results.append(est)
+            print(("fits: " if est.fits else "does NOT fit: ") + format_breakdown(est), flush=True)
+    if a.max_context:
+        print("\nmax context per strategy: " + ", ".join(f"{k} {v / 2**20:.3g}M" for k, v in max_ctx.items()))
+    if a.json:
+        write_json(a.json, max_ctx, results)
+    if a.plot:
+        plot(a.plot, results, gpu, f"{os.path.basename(a.config)}: {world} x {a.gpu_mem_gib:g} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
