@@ -5,8 +5,9 @@ One 2-rank gloo job (float32, vocabulary sharded over TP where tp=2):
   same layout (loss rtol 1e-5, every gradient and updated parameter relative norm error <= 1e-5) for tp1 (dp2),
   tp2 with and without sequence parallelism, pp2, and CP2 UPipe with the tiled MLP as well;
 - per token, `chunked_lm_loss` equals megatron's `output_layer` + `vocab_parallel_cross_entropy`, with the same
-  gradients for the hidden states and the output weight (tp1 and tp2+SP), and `ChunkedLossGPTModel` returns the
-  same per-token loss [b, s] as GPTModel and the same logits without labels;
+  gradients for the hidden states and the output weight (tp1 and tp2+SP), and `ChunkedLossGPTModel` (with the
+  tiled MLP) returns the same per-token loss [b, s] as GPTModel, the same logits without labels, and the same
+  state dict and sharded (dist-checkpointing) state dict;
 - the tracked forward+backward of the chunked loss never allocates a tensor of the full logits' size.
 """
 
@@ -85,7 +86,8 @@ def _op_checks(layout_kw: dict, rank: int, s: int, b: int, hidden: int, vocab: i
 
 
 def _model_checks(hf_sd, tokens) -> dict:
-    """tp2+SP: ChunkedLossGPTModel vs GPTModel, per-token loss with labels and logits without."""
+    """tp2+SP: ChunkedLossGPTModel vs GPTModel, per-token loss with labels and logits without; both switches
+    leave the (sharded) state dict unchanged."""
     from megatron_upipe.checkpoint.hf_convert import load_hf_into_model
     from megatron_upipe.models.chunked_loss import ChunkedLossGPTModel
     from megatron_upipe.models.llama import build_llama
@@ -97,19 +99,25 @@ def _model_checks(hf_sd, tokens) -> dict:
     try:
         out = {}
         for chunks in (1, CHUNKS):
-            stage = build_llama(arch, layout, pg, vocab_size=VOCAB, loss_chunks=chunks)
+            stage = build_llama(arch, layout, pg, vocab_size=VOCAB, loss_chunks=chunks, mlp_chunks=chunks)
             load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=0)
             positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
             loss = stage.model(tokens[:, :-1], positions, None, labels=tokens[:, 1:])  # [b, s]
             with torch.no_grad():
                 logits = stage.model(tokens[:, :-1], positions, None)  # [b, s, V/t]
-            out[chunks] = dict(cls=type(stage.model), loss=loss.detach(), logits=logits)
+            sharded = {k: (tuple(v.global_shape), tuple(v.global_offset)) if hasattr(v, "global_shape") else None
+                       for k, v in stage.model.sharded_state_dict().items()}
+            state = {k: tuple(getattr(v, "shape", ())) for k, v in stage.model.state_dict().items()}
+            out[chunks] = dict(cls=type(stage.model), loss=loss.detach(), logits=logits, state=state,
+                               sharded=sharded)
         plain, chunked = out[1], out[CHUNKS]
         return dict(  # numbers only
             classes=chunked["cls"] is ChunkedLossGPTModel and plain["cls"] is not ChunkedLossGPTModel,
             loss_shape=tuple(chunked["loss"].shape) if chunked["loss"].shape == plain["loss"].shape else None,
             loss_close=bool(torch.allclose(chunked["loss"], plain["loss"], rtol=1e-5, atol=1e-6)),
             logits_equal=bool(torch.equal(chunked["logits"], plain["logits"])),
+            state_equal=chunked["state"] == plain["state"] and len(plain["state"]) > 10,
+            sharded_equal=chunked["sharded"] == plain["sharded"] and len(plain["sharded"]) > 10,
         )
     finally:
         destroy_parallel()
@@ -176,6 +184,7 @@ def test_chunked_loss_model_forward(results):
         assert model["classes"]
         assert model["loss_shape"] == (BATCH, SEQ) and model["loss_close"]
         assert model["logits_equal"]
+        assert model["state_equal"] and model["sharded_equal"]  # same checkpoint layout with both switches on
 
 
 def test_no_allocation_of_full_logits_size(results):

@@ -117,7 +117,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
             accumulate_matmul(dweight, grad.flatten(0, 1).t(), h.flatten(0, 1))  # [V/t, t·T·b] @ [t·T·b, D]
             dh = grad @ weight  # [t·T, b, D], partial sums over TP
             del grad
-            dhidden[start:end] = reduce_scatter_tile(dh, group) if sp else dh  # [T, b, D]
+            if sp:
+                reduce_scatter_tile(dh, group, out=dhidden[start:end])  # [t·T, b, D] -> [T, b, D]
+            else:
+                dhidden[start:end] = dh
         if not sp and t > 1:
             dist.all_reduce(dhidden, group=group)
         return dhidden, dweight.to(weight.dtype), None, None, None, None

@@ -43,12 +43,10 @@ def gather_tile(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor
     return out
 
 
-def reduce_scatter_tile(y: torch.Tensor, group) -> torch.Tensor:
-    """Sum over TP and keep this rank's share: [t·T, b, h] -> [T, b, h]."""
-    t = dist.get_world_size(group)
-    out = torch.empty((y.shape[0] // t, *y.shape[1:]), dtype=y.dtype, device=y.device)  # [T, b, h]
+def reduce_scatter_tile(y: torch.Tensor, group, out: torch.Tensor) -> None:
+    """Sum over TP and write this rank's share into `out` (a contiguous [T, b, h] slice of a buffer):
+    [t·T, b, h] -> [T, b, h]."""
     dist.reduce_scatter_tensor(out, y.contiguous(), group=group)
-    return out
 
 
 def tp_size(group) -> int:

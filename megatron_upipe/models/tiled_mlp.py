@@ -64,7 +64,10 @@ class _TiledSwiGLUMLP(torch.autograd.Function):
             xt = gather_tile(x[start:end], group, sequence_parallel)  # [T, b, D] -> [t·T, b, D] with SP
             _, up, act = _swiglu(F.linear(xt, w1))  # [t·T, b, 2F/t] -> [t·T, b, F/t]
             y = F.linear(act.mul_(up), w2)  # [t·T, b, D], partial sums over TP
-            out[start:end] = reduce_scatter_tile(y, group) if sequence_parallel and t > 1 else y  # [T, b, D]
+            if sequence_parallel and t > 1:
+                reduce_scatter_tile(y, group, out=out[start:end])  # [t·T, b, D] -> [T, b, D]
+            else:
+                out[start:end] = y
         if not sequence_parallel and t > 1:
             dist.all_reduce(out, group=group)
         ctx.save_for_backward(x, w1, w2)
@@ -95,7 +98,10 @@ class _TiledSwiGLUMLP(torch.autograd.Function):
             del h, gate, up, da
             accumulate_matmul(dw1, dh.flatten(0, 1).t(), xt.flatten(0, 1))  # [2F/t, t·T·b] @ [t·T·b, D]
             dxt = dh @ w1  # [t·T, b, D], partial sums over TP
-            dx[start:end] = reduce_scatter_tile(dxt, group) if sp and t > 1 else dxt  # [T, b, D]
+            if sp and t > 1:
+                reduce_scatter_tile(dxt, group, out=dx[start:end])  # [t·T, b, D] -> [T, b, D]
+            else:
+                dx[start:end] = dxt
         if not sp and t > 1:
             dist.all_reduce(dx, group=group)  # ColumnParallel's input gradient
         return dx, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None, None
