@@ -38,6 +38,7 @@ _STACK_RULES = (
     ("cross_entropy.py", "loss"),
     ("megatron/core/models/gpt/gpt_model.py", "loss"),
     ("megatron_upipe/models/norm.py", "norms"),
+    ("megatron_upipe/models/tiled_norm.py", "norms"),
     ("language_model_embedding.py", "embedding"),
     ("megatron/core/optimizer/", "optimizer"),
 )
