@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -203,21 +204,35 @@ if __name__ == "__main__":
 """
 
 
+def _processes_with(token: str) -> list[int]:
+    """Pids of the live processes whose environment carries `token` (the ones a launch started)."""
+    pids = []
+    for env_file in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if token.encode() in env_file.read_bytes():
+                pids.append(int(env_file.parent.name))
+    return [p for p in pids if p != os.getpid()]
+
+
 def _launch(driver: Path, tmp: Path, env_extra: dict, log_name: str) -> tuple[int, str]:
-    """torchrun with 2 ranks in its own session; returns (exit code, output). megatron-core's checkpoint writer
-    starts a multiprocessing Manager per rank that outlives a SIGKILLed rank: the whole session is killed after."""
+    """torchrun with 2 ranks; returns (exit code, output). megatron-core's checkpoint writer starts a
+    multiprocessing Manager in each writing rank, which outlives a SIGKILLed rank: such leftovers (found by a
+    token in their environment) are killed afterwards."""
+    token = f"UPIPE_KILL_TEST_{uuid.uuid4().hex}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(driver), "--config", TINY, *DATA, *BASE, f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=2",
            f"log.metrics_file={tmp}/metrics.jsonl", "dist.timeout_s=60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", token: "1", **env_extra}
     log = tmp / log_name
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             code = proc.wait(timeout=300)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the session of the torchrun we started, orphans included
+            proc.kill()
+            for pid in _processes_with(token):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     return code, log.read_text()
 
 

@@ -16,6 +16,9 @@ Resume: `find_checkpoint(path)` accepts a checkpoint directory or a run director
 any tensor, the saved model shape and tokenizer are compared with the run's, and a mismatch is refused with a
 message naming each differing field. Weights and optimizer state are resharded by dist_checkpointing, so a
 checkpoint loads into another TP/PP/CP/DP layout (the optimizer must be the non-distributed one, see optim.py).
+megatron-core's writer (torch_dist strategy) starts a multiprocessing Manager (spawn) in every rank that writes
+shards, on its first save: the entry script needs its `if __name__ == "__main__"` guard, and a SIGKILLed rank leaves
+that Manager orphaned (a batch scheduler's job clean-up removes it; on a workstation kill it by hand).
 RNG states are restored only into the same layout (otherwise there is no rank-to-rank correspondence; the Llama
 model has no dropout, so training is unaffected); the data position comes from the consumed-sample count.
 """
