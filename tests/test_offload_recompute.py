@@ -8,7 +8,8 @@ Checked: loss and every parameter gradient bit-identical to the plain run of the
 same ops in the same order; offload is a copy); the offloader's ledger holds exactly num_layers x [s/cp, b, D]
 float32 bytes after the forward and nothing after the step; the tracked device memory after the forward is lower by
 exactly those bytes, and the device peak of the step by at least num_layers - 1 layer inputs (the backward brings one
-back at a time). Plus a process-free check that the offloader keeps its host copies out of a device tracker, also on
+back at a time). The same on fake tensors at a longer sequence (how the memory planner runs rank 0's model), where
+the simulated offloader of the planner matches the real one. Plus a process-free check that the offloader keeps its host copies out of a device tracker, also on
 fake tensors, and that the simulated offloader (for the memory planner) counts the same bytes.
 """
 
@@ -20,6 +21,7 @@ import torch
 from tests.dist_helper import run_on_ranks
 
 VOCAB, BATCH, SEQ, LAYERS = 256, 2, 64, 4
+FAKE_SEQ = 8192  # fake tensors: only shapes, so a longer sequence costs nothing
 VARIANTS = {  # name -> (layout kwargs, recompute, offload)
     "dp2": (dict(dp=2), False, False),
     "dp2+recompute": (dict(dp=2), True, False),
@@ -38,8 +40,42 @@ def _job(rank, world_size):
     arch = get_preset("tiny-gqa").replace(num_layers=LAYERS)
     hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    return {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec, offload=off))
-            for name, (kw, rec, off) in VARIANTS.items()}
+    out = {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec, offload=off))
+           for name, (kw, rec, off) in VARIANTS.items()}
+    out["fake"] = _fake_runs(arch)
+    return out
+
+
+def _fake_runs(arch) -> dict:
+    """The memory planner's way: the real model code on fake tensors (shapes only), full recompute at FAKE_SEQ
+    tokens, without offload, with HostOffloader and with SimulatedHostOffloader: (host bytes after forward, host
+    bytes at the end, tracked device peak, tracked device bytes after forward)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_stack.checkpoint_offload import attach_checkpoint_offload
+    from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader
+    from megatron_upipe.models.llama import build_llama, llama_transformer_config
+    from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+
+    layout = ParallelLayout(dp=2, cp_strategy="upipe")  # cp=1: UPipe's head stages, no collectives in the step
+    pg = initialize_parallel(layout)
+    out = {}
+    try:
+        for name, cls in (("none", None), ("host", HostOffloader), ("simulated", SimulatedHostOffloader)):
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                config = llama_transformer_config(arch, layout, recompute_granularity="full")
+                model = build_llama(arch, layout, pg, vocab_size=VOCAB, config=config).model
+                off = attach_checkpoint_offload(model, cls()) if cls else None
+                tokens = torch.randint(0, VOCAB, (1, FAKE_SEQ))
+                with PeakMemoryTracker() as mem:
+                    loss = model(tokens, torch.arange(FAKE_SEQ)[None], None, labels=tokens).float().mean()
+                    host, device = (off.live_bytes if off else 0), mem.live_bytes
+                    loss.backward()
+                out[name] = (host, off.live_bytes if off else 0, mem.peak_bytes, device)
+    finally:
+        destroy_parallel()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +130,18 @@ def test_device_memory_drops_by_the_offloaded_inputs(results):
         # recompute itself lowers the peak (sanity of the measurement)
         assert per_rank["dp2+recompute"].device_peak[0] < per_rank["dp2"].device_peak[0]
         assert per_rank["cp2-upipe+recompute+offload"].device_peak[0] < per_rank["cp2-upipe"].device_peak[0]
+
+
+def test_on_fake_tensors_the_ledger_and_device_peak_are_the_same(results):
+    one = FAKE_SEQ * 64 * 4  # [s, b=1, D] float32
+    for per_rank in results:
+        fake = per_rank["fake"]
+        assert fake["host"][:2] == (LAYERS * one, 0) and fake["simulated"][:2] == (LAYERS * one, 0)
+        assert fake["host"][2:] == fake["simulated"][2:]  # the simulation sees the device memory the real one does
+        assert fake["none"][3] - fake["host"][3] == LAYERS * one
+        # Without DDP's preallocated buffers the .grad tensors grow during backward, so the peak may sit at the
+        # last layer's backward, where both runs hold one input: only 0 < drop <= L inputs is guaranteed here.
+        assert 0 < fake["none"][2] - fake["host"][2] <= LAYERS * one, fake
 
 
 def test_offloader_hides_host_copies_from_device_tracker_also_on_fake_tensors():

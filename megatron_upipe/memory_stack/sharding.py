@@ -43,13 +43,18 @@ def fsdp_ddp_config(*, use_gloo: bool | None = None):
     )
 
 
-def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection, ddp_config=None):
-    """This stage (a GPTModel, or Float16Module around it for bf16) fully sharded over pg_collection.dp_cp.
+def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_config=None):
+    """This stage (a GPTModel, or Float16Module around it for bf16) fully sharded over pg_collection.dp_cp
+    (None: megatron-core's initialised parallel state, as DistributedDataParallel uses).
 
     Call it where megatron-core's DistributedDataParallel would be built, before `get_megatron_optimizer(
     OptimizerConfig(..., use_distributed_optimizer=True), [wrapped])`."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
+    if pg_collection is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     if pg_collection.pp.size() > 1:
         raise ValueError("fully sharded model states are not combined with pipeline parallelism here (untested): "
                          "use parallel.pp=1 or memory.shard_model_states=false")
