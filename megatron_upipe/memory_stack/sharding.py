@@ -37,8 +37,8 @@ def fsdp_ddp_config(*, use_gloo: bool | None = None):
         grad_reduce_in_fp32=True,
         megatron_fsdp_main_params_dtype=torch.float32,
         megatron_fsdp_main_grads_dtype=torch.float32,
-        overlap_grad_reduce=not use_gloo,
-        overlap_param_gather=not use_gloo,
+        overlap_grad_reduce=True,  # reduce-scatter launched during backward; finalize_model_grads waits for it
+        overlap_param_gather=True,  # next layers' all-gathers prefetched (both checked on gloo: losses unchanged)
         gradient_reduce_div_fusion=not use_gloo,  # PREMUL_SUM does not exist on gloo
     )
 
