@@ -48,7 +48,7 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
     from megatron_upipe.checkpoint.hf_convert import load_hf_into_model
     from megatron_upipe.cp_batch import split_batch
     from megatron_upipe.memory.tracker import PeakMemoryTracker
-    from megatron_upipe.memory_stack.checkpoint_offload import attach_checkpoint_offload
+    from megatron_upipe.memory_stack.offload import HostOffloader
     from megatron_upipe.memory_stack.sharding import fsdp_buffer_bytes, optimizer_state_bytes, wrap_fully_sharded
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
@@ -58,10 +58,12 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
     pg = initialize_parallel(layout)
     try:
         dtype = torch.bfloat16 if bf16 else torch.float32
-        config = llama_transformer_config(arch, layout, dtype=dtype, recompute_granularity="full" if recompute else None)
-        stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config)
+        config = llama_transformer_config(arch, layout, dtype=dtype,
+                                          recompute_granularity="full" if recompute else None)
+        stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config,
+                            offloader=HostOffloader() if offload else None)
+        offloader = stage.offloader
         load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=0)
-        offloader = attach_checkpoint_offload(stage.model) if offload else None
         module = Float16Module(config, stage.model) if bf16 else stage.model
         if shard:
             wrapped = wrap_fully_sharded(module, config, pg)

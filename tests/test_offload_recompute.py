@@ -8,9 +8,9 @@ Checked: loss and every parameter gradient bit-identical to the plain run of the
 same ops in the same order; offload is a copy); the offloader's ledger holds exactly num_layers x [s/cp, b, D]
 float32 bytes after the forward and nothing after the step; the tracked device memory after the forward is lower by
 exactly those bytes, and the device peak of the step by at least num_layers - 1 layer inputs (the backward brings one
-back at a time). The same on fake tensors at a longer sequence (how the memory planner runs rank 0's model), where
-the simulated offloader of the planner matches the real one. Plus a process-free check that the offloader keeps its host copies out of a device tracker, also on
-fake tensors, and that the simulated offloader (for the memory planner) counts the same bytes.
+back at a time, with DDP's preallocated gradient buffers). The same on fake tensors at a longer sequence (how the
+memory planner runs rank 0's model), where the planner's SimulatedHostOffloader matches the real one. Plus a
+process-free check that the offloader keeps its host copies out of a device tracker, on real and fake tensors.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ def _fake_runs(arch) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_upipe.memory.tracker import PeakMemoryTracker
-    from megatron_upipe.memory_stack.checkpoint_offload import attach_checkpoint_offload
     from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
@@ -65,8 +64,9 @@ def _fake_runs(arch) -> dict:
         for name, cls in (("none", None), ("host", HostOffloader), ("simulated", SimulatedHostOffloader)):
             with FakeTensorMode(allow_non_fake_inputs=True):
                 config = llama_transformer_config(arch, layout, recompute_granularity="full")
-                model = build_llama(arch, layout, pg, vocab_size=VOCAB, config=config).model
-                off = attach_checkpoint_offload(model, cls()) if cls else None
+                stage = build_llama(arch, layout, pg, vocab_size=VOCAB, config=config,
+                                    offloader=cls() if cls else None)
+                model, off = stage.model, stage.offloader
                 tokens = torch.randint(0, VOCAB, (1, FAKE_SEQ))
                 with PeakMemoryTracker() as mem:
                     loss = model(tokens, torch.arange(FAKE_SEQ)[None], None, labels=tokens).float().mean()

@@ -41,7 +41,8 @@ class CheckpointOffload:
                 f"{config.recompute_granularity!r}, {config.recompute_method!r}, {config.recompute_num_layers!r}"
             )
         if getattr(config, "distribute_saved_activations", False):
-            raise ValueError("distribute_saved_activations replaces the saved input's data; not combinable with offload")
+            raise ValueError("distribute_saved_activations replaces the saved input's data: not combinable with "
+                             "offload")
         self.offloader = offloader
         self._armed = False
         self._pending: torch.Tensor | None = None  # the input of the layer being checkpointed now

@@ -89,16 +89,20 @@ class LlamaStage:
     plan: CPPlan
     vocab_size: int  # tokenizer's
     padded_vocab_size: int
+    offloader: object | None = None  # memory_stack HostOffloader holding the checkpointed layer inputs, if any
 
 
 def build_llama(
     arch: LlamaArch, layout: ParallelLayout, pg_collection, *, vocab_size: int | None = None,
     dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None, mlp_chunks: int = 1,
-    loss_chunks: int = 1,
+    loss_chunks: int = 1, offloader=None,
 ) -> LlamaStage:
     """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`.
 
     mlp_chunks / loss_chunks: `memory.mlp_chunks` / `memory.loss_chunks` (1 = megatron-core's plain modules).
+    offloader: `memory.offload_checkpoints` - a `megatron_upipe.memory_stack.offload.HostOffloader` (or the memory
+    planner's SimulatedHostOffloader) that keeps each checkpointed layer input until its backward; needs the
+    config's full recompute. None = off.
     """
     vocab = vocab_size if vocab_size is not None else arch.vocab_size
     if vocab is None:
@@ -130,4 +134,9 @@ def build_llama(
         # The headwise CP ops take the angles of all N positions and slice their contiguous share themselves;
         # RotaryEmbedding slices per CP rank (zigzag) only when it holds a CP group.
         model.rotary_pos_emb.cp_group = None
-    return LlamaStage(model=model, config=config, plan=plan, vocab_size=vocab, padded_vocab_size=padded)
+    if offloader is not None:
+        from megatron_upipe.memory_stack.checkpoint_offload import attach_checkpoint_offload
+
+        attach_checkpoint_offload(model, offloader)
+    return LlamaStage(model=model, config=config, plan=plan, vocab_size=vocab, padded_vocab_size=padded,
+                      offloader=offloader)
