@@ -1,6 +1,7 @@
 """Smoke test of the entry point: pretrain_llama.main() on 2 gloo ranks, tiny Llama, UPipe over cp=2, shipped corpus.
 
-One launch trains 20 steps (global batch 4 x 128 tokens, 2 accumulation steps) with evaluation and checkpoints
+One launch first trains 6 steps as pp=2 (megatron-core's 1F1B schedule over 4 micro-batches, evaluation included),
+then 20 steps (global batch 4 x 128 tokens, 2 accumulation steps) with evaluation and checkpoints
 every 10 steps, tensorboard on, and checks what the run leaves behind: the metrics file (keys, finite values, the
 LR schedule, a falling loss), the eval records, the checkpoints (keep_last=1) and the tensorboard events.
 """
@@ -12,7 +13,7 @@ import math
 import pytest
 
 from tests.dist_helper import run_on_ranks
-from tests.train_harness import read_metrics, run_main
+from tests.train_harness import SMALL, read_metrics, run_main
 
 STEPS, WARMUP, LR, MIN_LR = 20, 3, 3e-3, 3e-4
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_bytes",
@@ -20,7 +21,9 @@ KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec_per_gpu", "tflops_per
 
 
 def _job(rank, world_size, tmp):
-    return run_main(
+    pp2 = run_main(*SMALL, "train.steps=6", "parallel.pp=2", "parallel.cp=1", "parallel.cp_strategy=none",
+                   "train.eval_interval=3", "train.eval_iters=1", f"log.metrics_file={tmp}/pp2.jsonl")
+    return pp2, run_main(
         f"train.steps={STEPS}", "train.seq_length=128", "train.global_batch_size=4", f"train.lr={LR}",
         f"train.min_lr={MIN_LR}", f"train.warmup_steps={WARMUP}", "train.eval_interval=10", "train.eval_iters=1",
         f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=10", "checkpoint.keep_last=1",
@@ -31,8 +34,9 @@ def _job(rank, world_size, tmp):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke")
-    for rank, (code, err) in enumerate(run_on_ranks(_job, 2, str(tmp))):
-        assert code == 0, f"rank {rank}: exit {code}\n{err}"
+    for rank, runs in enumerate(run_on_ranks(_job, 2, str(tmp))):
+        for code, err in runs:
+            assert code == 0, f"rank {rank}: exit {code}\n{err}"
     return tmp
 
 
@@ -72,3 +76,12 @@ def test_checkpoints_and_tensorboard(run):
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000020", "latest"]  # keep_last=1, no .tmp left
     assert {p.name for p in (ckpt / "iter_0000020" / "rng").iterdir()} == {"rank00000.pt", "rank00001.pt"}
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tb").iterdir())
+
+
+def test_pipeline_parallel_run_trains_and_evaluates(run):
+    records = read_metrics(run / "pp2.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.2, [r["loss"] for r in records]
+    evals = read_metrics(run / "pp2.jsonl", kind="eval")
+    assert [e["step"] for e in evals] == [3, 6] and all(math.isfinite(e["loss"]) for e in evals)

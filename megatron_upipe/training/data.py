@@ -54,10 +54,11 @@ class RunData:
     dp_size: int
     split: str  # "contiguous" / "zigzag"
     cp_group: object
+    num_workers: int = 0  # data.num_workers: DataLoader worker processes (the order does not depend on it)
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
         return self._split(micro_batches(self.train, self.micro_batch_size, self.dp_rank, self.dp_size,
-                                         consumed_samples))
+                                         consumed_samples, self.num_workers))
 
     def valid_iterator(self) -> Iterator[dict]:
         return self._split(micro_batches(self.valid, self.micro_batch_size, self.dp_rank, self.dp_size, 0))
@@ -78,4 +79,5 @@ def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: 
         raise ValueError(f"train.eval_iters={t.eval_iters} x global batch {plan.global_batch_size} needs {n_valid} "
                          f"validation samples; data.split={config.data.split} gives "
                          f"{0 if sets.valid is None else len(sets.valid)}")
-    return RunData(sets.train, sets.valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp)
+    return RunData(sets.train, sets.valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp,
+                   config.data.num_workers)

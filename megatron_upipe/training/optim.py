@@ -3,7 +3,9 @@
 The schedule is megatron-core's `OptimizerParamScheduler` counted in optimizer steps: linear warmup from 0 over
 `train.warmup_steps`, then `train.lr_decay_style` (cosine by default) down to `train.min_lr` at
 `train.lr_decay_steps` (default `train.steps`). It is advanced *before* each optimizer step, so step k (1-based)
-runs at the LR of position k: the first step does not waste itself at LR 0.
+runs at the LR of position k: the first step does not waste itself at LR 0. On resume the schedule's settings come
+from the checkpoint (megatron-core's `use_checkpoint_opt_param_scheduler`), so a changed train.steps / lr / warmup
+does not bend the curve of a resumed run.
 
 The distributed optimizer (ZeRO-1 over dp x cp) is used when `train.distributed_optimizer=true`. megatron-core
 cannot *load* its checkpoints without TransformerEngine or apex, neither of which exists on CPU: there the option is
