@@ -39,11 +39,12 @@ def portable(result: MemoryRunResult) -> MemoryRunResult:
 
 def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
                       recompute: bool = False, offload: bool = False, shard: bool = False,
-                      bf16: bool = False) -> MemoryRunResult:
+                      bf16: bool = False, num_microbatches: int = 1) -> MemoryRunResult:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megatron_upipe.checkpoint.hf_convert import load_hf_into_model
     from megatron_upipe.cp_batch import split_batch
@@ -63,7 +64,8 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config,
                             offloader=HostOffloader() if offload else None)
         offloader = stage.offloader
-        load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=0)
+        offset = get_transformer_layer_offset(config, pp_rank=pg.pp.rank())
+        load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)
         module = Float16Module(config, stage.model) if bf16 else stage.model
         if shard:
             wrapped = wrap_fully_sharded(module, config, pg)
@@ -82,6 +84,9 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         batch = {"tokens": rows[:, :-1], "labels": rows[:, 1:],
                  "position_ids": torch.arange(N).unsqueeze(0).expand(rows.shape[0], -1)}
         batch = split_batch(batch, stage.plan.sequence_split, pg.cp)  # [B/dp, N/C] each
+        M = num_microbatches
+        mbs = B // dp // M
+        micro = [{k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()} for i in range(M)]  # [B/(dp·M), N/C]
 
         probe: dict[str, int] = {}
 
@@ -98,16 +103,17 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
             wrapped.zero_grad_buffer()
             optimizer.zero_grad()
             with PeakMemoryTracker() as tracker:
-                out = forward_backward(forward_step_func=forward_step, data_iterator=iter([batch]), model=[wrapped],
-                                       num_microbatches=1, seq_length=N, micro_batch_size=B // dp,
-                                       forward_only=False)
+                out = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[wrapped],
+                                       num_microbatches=M, seq_length=N, micro_batch_size=mbs, forward_only=False)
             peaks.append(tracker.peak_bytes)
-            local = torch.tensor([out[0]["lm loss"].item()])
+            # the last pipeline stage holds the M micro-batch losses (equal token counts): sum over pp, mean over dp·cp
+            local = torch.tensor([sum(o["lm loss"].item() for o in out) / M if out else 0.0])
+            dist.all_reduce(local, group=pg.pp)
             dist.all_reduce(local, group=pg.dp_cp)
             losses.append(local.item() / pg.dp_cp.size())
             if step == 0 and not shard:
                 grads = _gather_stage([(n, p.main_grad) for n, p in stage.model.named_parameters()], arch, vocab,
-                                      pg, 0)
+                                      pg, offset)
             optimizer.step()
         state = optimizer_state_bytes(optimizer)
         if shard:

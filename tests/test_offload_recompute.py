@@ -3,7 +3,8 @@
 One 2-rank gloo job, float32, a 4-layer tiny Llama (GQA), one training step per variant, every variant loading the
 same HF-named weights and batch:
 - dp2: plain, megatron-core full recompute, full recompute + offload;
-- cp2 UPipe: plain, full recompute + offload.
+- cp2 UPipe: plain, full recompute + offload;
+- pp2 (1F1B, 2 micro-batches): plain, full recompute + offload.
 Checked: loss and every parameter gradient bit-identical to the plain run of the same layout (recompute replays the
 same ops in the same order; offload is a copy); the offloader's ledger holds exactly num_layers x [s/cp, b, D]
 float32 bytes after the forward and nothing after the step; the tracked device memory after the forward is lower by
@@ -28,7 +29,10 @@ VARIANTS = {  # name -> (layout kwargs, recompute, offload)
     "dp2+recompute+offload": (dict(dp=2), True, True),
     "cp2-upipe": (dict(cp=2, cp_strategy="upipe"), False, False),
     "cp2-upipe+recompute+offload": (dict(cp=2, cp_strategy="upipe"), True, True),
+    "pp2": (dict(pp=2), False, False),  # 1F1B over 2 micro-batches: stage 0 holds both in flight
+    "pp2+recompute+offload": (dict(pp=2), True, True),
 }
+MICRO = {"pp2": 2, "pp2+recompute+offload": 2}
 
 
 def _job(rank, world_size):
@@ -40,7 +44,8 @@ def _job(rank, world_size):
     arch = get_preset("tiny-gqa").replace(num_layers=LAYERS)
     hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    out = {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec, offload=off))
+    out = {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec, offload=off,
+                                            num_microbatches=MICRO.get(name, 1)))
            for name, (kw, rec, off) in VARIANTS.items()}
     out["fake"] = _fake_runs(arch)
     return out
@@ -95,7 +100,7 @@ def test_losses_and_gradients_bit_identical(results):
 
     for per_rank in results:
         for plain, others in (("dp2", ["dp2+recompute", "dp2+recompute+offload"]),
-                              ("cp2-upipe", ["cp2-upipe+recompute+offload"])):
+                              ("cp2-upipe", ["cp2-upipe+recompute+offload"]), ("pp2", ["pp2+recompute+offload"])):
             ref = per_rank[plain]
             assert len(ref.grads) == 2 + 9 * LAYERS + 1  # embed, lm_head, final norm; 9 tensors per layer
             for name in others:
@@ -105,8 +110,9 @@ def test_losses_and_gradients_bit_identical(results):
                 errs = {k: rel_err(torch.from_numpy(r.grads[k]), torch.from_numpy(g)) for k, g in ref.grads.items()}
                 assert max(errs.values()) <= 1e-5, (name, {k: e for k, e in errs.items() if e > 1e-5})
                 assert all((r.grads[k] == g).all() for k, g in ref.grads.items()), f"{name}: not bit-exact"
-    # the two layouts compute the same model (UPipe's attention vs plain): losses agree to rounding
-    assert results[0]["cp2-upipe"].losses == pytest.approx(results[0]["dp2"].losses, rel=1e-5)
+    # the layouts compute the same model (UPipe's attention vs plain, pipeline stages): losses agree to rounding
+    for name in ("cp2-upipe", "pp2"):
+        assert results[0][name].losses == pytest.approx(results[0]["dp2"].losses, rel=1e-5)
 
 
 def test_host_ledger_holds_exactly_the_layer_inputs(results):
@@ -114,8 +120,13 @@ def test_host_ledger_holds_exactly_the_layer_inputs(results):
         for name, (kw, _, off) in VARIANTS.items():
             r = per_rank[name]
             expected = LAYERS * _layer_input_bytes(kw) if off else 0
+            if name == "pp2+recompute+offload":  # L/2 layers per stage; the first forward of mb=1 of 2 rows
+                expected = LAYERS // 2 * _layer_input_bytes(dict(dp=2))
             assert r.host_after_forward == expected, (name, r.host_after_forward, expected)
-            assert r.host_peak == expected, name
+            if name == "pp2+recompute+offload":  # 1F1B: stage 0 runs 2 forwards before its first backward
+                assert r.host_peak == expected * (2 if per_rank is results[0] else 1), (name, r.host_peak)
+            else:
+                assert r.host_peak == expected, name
             assert r.host_end == 0, f"{name}: host copies alive after the step"
 
 
