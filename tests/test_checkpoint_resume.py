@@ -4,7 +4,8 @@ and atomicity under a kill.
 One 2-rank gloo job runs pretrain_llama.main() several times (tiny Llama, shipped corpus, 64-token sequences):
   A      6 steps straight, cp=2 UPipe, checkpoints at steps 3 and 6;
   B      resumes A's step-3 checkpoint in the same layout: steps 4-6 must equal A's bit for bit (CPU, float32);
-  tp2    resumes it as tp=2 (no CP), cp1dp2 as cp=1 x dp=2: megatron-core reshards; losses equal A's (rtol 1e-5);
+  tp2    resumes it as tp=2 (no CP), cp1dp2 as cp=1 x dp=2: megatron-core reshards; losses equal A's (rtol 1e-5)
+         (cp=2 -> cp=4 needs 4 ranks: tests/test_train_equivalence.py);
   shape  4 layers instead of 2, tokenizer: a copy whose recorded tokenizer differs: both refused (exit 2), naming
          the field, before any tensor is read;
   stop / skip  a NaN injected into step 3's forward: stop ends the run (exit 3, "step 3") with the weights of

@@ -4,6 +4,7 @@ One 4-rank gloo job runs pretrain_llama.main() three times on the shipped corpus
 cp2 UPipe x dp2, and tp2 x cp2 UPipe (dp1). The global batch (4 sequences of 64 tokens, seed 1234) is the same in
 every layout; megatron-core's CPU initialisation gives the same initial weights. Compared per step: the loss
 (rtol 1e-5) and the global gradient norm (rtol 1e-4), over 4 Adam steps with clipping and warmup + cosine LR.
+The cp2 run's step-2 checkpoint is then resumed as cp=4 UPipe (dp1): steps 3-4 must follow the same curve.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ LAYOUTS = {
     "cp2-upipe": ["parallel.cp=2", "parallel.cp_strategy=upipe"],
     "tp2xcp2-upipe": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_strategy=upipe"],
 }
+RESUME_AT = 2  # cp2-upipe (x dp2) saves here; a cp=4 UPipe run (dp1) resumes from it
 
 
 def _job(rank, world_size, tmp):
-    return {name: run_main(*SMALL, f"train.steps={STEPS}", f"log.metrics_file={tmp}/{name}.jsonl", *overrides)
-            for name, overrides in LAYOUTS.items()}
+    out = {name: run_main(*SMALL, f"train.steps={STEPS}", f"log.metrics_file={tmp}/{name}.jsonl",
+                          f"checkpoint.dir={tmp}/{name}", f"checkpoint.interval={RESUME_AT}", *overrides)
+           for name, overrides in LAYOUTS.items()}
+    out["cp4-upipe-resumed"] = run_main(
+        *SMALL, f"train.steps={STEPS}", f"log.metrics_file={tmp}/cp4-upipe-resumed.jsonl", "parallel.cp=4",
+        "parallel.cp_strategy=upipe", f"checkpoint.load={tmp}/cp2-upipe/iter_{RESUME_AT:07d}")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +42,13 @@ def curves(tmp_path_factory):
     for rank, results in enumerate(per_rank):
         for name, (code, err) in results.items():
             assert code == 0, f"rank {rank}, {name}: exit {code}\n{err}"
-    return {name: read_metrics(tmp / f"{name}.jsonl") for name in LAYOUTS}
+    return {name: read_metrics(tmp / f"{name}.jsonl") for name in [*LAYOUTS, "cp4-upipe-resumed"]}
 
 
 def test_every_layout_ran_every_step(curves):
     for name, records in curves.items():
-        assert [r["step"] for r in records] == list(range(1, STEPS + 1)), name
+        first = RESUME_AT + 1 if name == "cp4-upipe-resumed" else 1
+        assert [r["step"] for r in records] == list(range(first, STEPS + 1)), name
         assert all(math.isfinite(r["loss"]) for r in records), name
 
 
@@ -48,7 +56,8 @@ def test_loss_curves_equal_across_layouts(curves):
     ref = curves["cp1"]
     assert ref[-1]["loss"] < ref[0]["loss"], f"cp1 does not train: {[r['loss'] for r in ref]}"
     for name, records in curves.items():
-        for r, q in zip(records, ref):
+        for r in records:
+            q = ref[r["step"] - 1]
             assert r["loss"] == pytest.approx(q["loss"], rel=1e-5), f"{name} step {r['step']}"
             assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-4), f"{name} step {r['step']}"
             assert r["lr"] == q["lr"], f"{name} step {r['step']}"
