@@ -159,7 +159,7 @@ def test_offloader_hides_host_copies_from_device_tracker_also_on_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_upipe.memory.tracker import PeakMemoryTracker
-    from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader
+    from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader, pinned_block_bytes
 
     nbytes = 16 * 4 * 8 * 4
     for fake in (False, True):
@@ -177,7 +177,8 @@ def test_offloader_hides_host_copies_from_device_tracker_also_on_fake_tensors():
                 if cls is HostOffloader and not fake:
                     assert torch.equal(z, x * 2)
                 del copy
-                assert off.live_bytes == 0 and off.peak_bytes == nbytes
+                assert off.live_bytes == 0 and off.peak_bytes == nbytes == off.reserved_peak_bytes  # pageable: exact
+    assert [pinned_block_bytes(n) for n in (1, 4096, 4097, 6 * 2**30)] == [1, 4096, 8192, 8 * 2**30]
 
 
 def test_config_switches():
