@@ -92,7 +92,7 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
                         mlp_chunks=config.memory.mlp_chunks, loss_chunks=config.memory.loss_chunks)
     ddp = wrap_model(stage.model, tconfig, config)
     optimizer, scheduler = build_optimizer(ddp, tconfig, config)
-    data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split)
+    data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device)
     state = TrainState(config, plan, groups, tokenizer, stage, ddp, optimizer, scheduler, data)
     source = resume_source(config)
     if source is not None:

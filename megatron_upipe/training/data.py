@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import torch
+
 from megatron_upipe.config import Config, Plan
 from megatron_upipe.cp_batch import split_batch
 from megatron_upipe.data.datasets import GPTDataConfig, build_gpt_datasets, micro_batches
@@ -55,6 +57,7 @@ class RunData:
     split: str  # "contiguous" / "zigzag"
     cp_group: object
     num_workers: int = 0  # data.num_workers: DataLoader worker processes (the order does not depend on it)
+    device: torch.device = torch.device("cpu")  # where the model runs
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
         return self._split(micro_batches(self.train, self.micro_batch_size, self.dp_rank, self.dp_size,
@@ -65,10 +68,12 @@ class RunData:
 
     def _split(self, it: Iterator[dict]) -> Iterator[dict]:
         for batch in it:  # [b, s] -> [b, s/C]
-            yield split_batch({k: batch[k] for k in BATCH_KEYS}, self.split, self.cp_group)
+            local = split_batch({k: batch[k] for k in BATCH_KEYS}, self.split, self.cp_group)
+            yield {k: v.to(self.device, non_blocking=True) for k, v in local.items()}
 
 
-def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str) -> RunData:
+def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str,
+                   device: torch.device = torch.device("cpu")) -> RunData:
     t = config.train
     data_config = GPTDataConfig(data_path=(config.data.path,), seq_length=t.seq_length, seed=t.seed,
                                 split=tuple(config.data.split))
@@ -80,4 +85,4 @@ def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: 
                          f"validation samples; data.split={config.data.split} gives "
                          f"{0 if sets.valid is None else len(sets.valid)}")
     return RunData(sets.train, sets.valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp,
-                   config.data.num_workers)
+                   config.data.num_workers, device)

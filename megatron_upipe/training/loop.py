@@ -36,14 +36,16 @@ def _forward_step(data_iterator, model):
     return out, partial(_loss_func, batch["loss_mask"])
 
 
-def _global_loss(reports: list[dict], pg) -> tuple[float, int]:
-    """Per-token mean over the global batch (the last pipeline stage holds the reports; others add zeros)."""
-    sums = torch.zeros(2, dtype=torch.float64)
+def _global_loss(reports: list[dict], pg, device: torch.device) -> tuple[float, int]:
+    """Per-token mean over the global batch (the last pipeline stage holds the reports; others add zeros).
+    Reduced on `device` (NCCL reduces CUDA tensors only)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
     for r in reports:
-        sums += r["lm loss"].double().cpu()
+        sums += r["lm loss"].double().to(device)
     dist.all_reduce(sums, group=pg.pp)
     dist.all_reduce(sums, group=pg.dp_cp)
-    return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan"), int(sums[1].item())
+    total, count = sums.tolist()
+    return total / count if count > 0 else float("nan"), int(count)
 
 
 def _forward_backward(state, data_iterator, forward_only: bool) -> list[dict]:
@@ -64,7 +66,7 @@ def train_step(state, data_iterator) -> dict:
     state.optimizer.zero_grad()
     state.scheduler.step(1)  # the LR of step `step`
     reports = _forward_backward(state, data_iterator, forward_only=False)
-    loss, _ = _global_loss(reports, state.groups.pg)
+    loss, _ = _global_loss(reports, state.groups.pg, state.groups.device)
     state.optimizer.prepare_grads()
     grad_norm = float(state.optimizer.get_grad_norm())  # global, before clipping
     update = check_step(step, loss, grad_norm, state.config.train.nan_policy)
@@ -84,7 +86,8 @@ def evaluate(state) -> dict:
     sums = [0.0, 0]
     try:
         for _ in range(state.config.train.eval_iters):
-            loss, count = _global_loss(_forward_backward(state, it, forward_only=True), state.groups.pg)
+            reports = _forward_backward(state, it, forward_only=True)
+            loss, count = _global_loss(reports, state.groups.pg, state.groups.device)
             sums[0] += loss * count
             sums[1] += count
     finally:
@@ -128,7 +131,7 @@ def _run(state) -> None:
         state.consumed_samples += plan.global_batch_size
         seconds = time.perf_counter() - start
         mem, mem_kind = peak_memory(groups.device)
-        mem_t = torch.tensor([mem], dtype=torch.int64)
+        mem_t = torch.tensor([mem], dtype=torch.int64, device=groups.device)
         dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
         log.log(step_record(state.step, result["loss"], result["lr"], result["grad_norm"], seconds,
                             plan.tokens_per_step, groups.world_size, state.flops_per_token, peak_flops,
