@@ -3,7 +3,9 @@
 Legend: b micro-batch size, s sequence length, C context-parallel size. The forward step feeds one micro-batch
 ([b, s/C] per rank after the CP split) to the model, which returns the per-token loss [b, s/C]; the loss function
 returns (sum, token count, report), so megatron's schedule divides by the count and by the number of micro-batches
-and DDP averages over dp x cp: the gradient of the global per-token mean (micro-batches hold equal token counts).
+and DDP averages over dp x cp: the gradient of the global per-token mean when micro-batches hold equal numbers of
+unmasked tokens (the shipped data: no loss mask); with a mask that zeroes tokens (mock data's padding) each
+micro-batch's mean weighs the same. The reported loss is always the exact per-token mean over the global batch.
 
 One step: schedule LR -> forward/backward over all micro-batches (gradient accumulation, pipeline schedule of
 parallel.pp) -> global loss and gradient norm -> NaN policy (failures.py) -> optimizer step (clipping inside).

@@ -8,6 +8,12 @@ with D hidden, H query heads, G KV heads, d head dim, F FFN size, N sequence len
 MFU = achieved model FLOP/s per device / the device's dense bf16 peak (table below); null on CPU or an unknown GPU.
 peak_mem_bytes: `torch.cuda.max_memory_allocated` on GPU; on CPU the process's peak RSS (`ru_maxrss`, coarse: it
 includes the Python runtime and libraries), marked by `peak_mem_kind`. The maximum over ranks is reported.
+
+Where records go (rank 0 only): `log.metrics_file` gets one JSON line per step (`"kind": "train"`) and one per
+evaluation (`"kind": "eval"`), NaN written as null; tensorboard and wandb (offline by default) get the same scalars
+as `train/...` and `eval/...`; the console gets one line every `log.interval` steps, every evaluation and every
+skipped step. A resumed run appends to the metrics file: steps after its checkpoint appear again, the later record
+being the resumed run's.
 """
 
 from __future__ import annotations
