@@ -10,6 +10,7 @@ One 2-rank gloo job runs pretrain_llama.main() several times (tiny Llama, shippe
          the field, before any tensor is read;
   stop / skip  a NaN injected into step 3's forward: stop ends the run (exit 3, "step 3") with the weights of
          step 2 and the step-2 checkpoint as `latest`; skip leaves weights and Adam moments unchanged and goes on.
+Last, a fresh run (checkpoint.resume=false) into A's directory re-saves steps 3 and 6 over A's checkpoints.
 The kill test runs torchrun in a subprocess and SIGKILLs rank 0 in the middle of the step-4 save (all shards
 written, not yet published): `latest` still names step 2, which a second launch resumes, reproducing steps 3-4.
 """
@@ -108,6 +109,9 @@ def _job(rank, world_size, tmp):
         run("skip", "train.steps=4", "train.nan_policy=skip")
     finally:
         undo()
+    # A fresh run (resume=false) into A's directory saves steps 3 and 6 again over A's: replaced, never lost.
+    out["again"] = run_main(*BASE, f"checkpoint.dir={tmp}/A", "checkpoint.resume=false", "checkpoint.interval=3",
+                            f"log.metrics_file={tmp}/again.jsonl")
     return out, unchanged
 
 
@@ -257,3 +261,31 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert [r["loss"] for r in second[:2]] == [r["loss"] for r in first[2:]]  # the interrupted steps, exactly
     assert (ckpt / "latest").read_text().strip() == "iter_0000006"
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000004", "iter_0000006", "latest"]  # keep_last=2
+
+
+def test_a_fresh_run_saves_over_old_checkpoints_of_the_same_steps(job):
+    tmp, per_rank = job
+    _ok(per_rank, "again")
+    assert losses(tmp / "again.jsonl") == losses(tmp / "A.jsonl")  # started fresh, same data and seed
+    ckpt = tmp / "A"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000003", "iter_0000006", "latest"]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000006"
+
+
+def test_latest_survives_a_kill_while_resaving_its_own_step(tmp_path):
+    """Re-saving the step `latest` names moves the old copy aside first: between the two renames `latest` still
+    finds a complete checkpoint (the moved copy); a missing or incomplete target is an error, never a silent start."""
+    from megatron_upipe.training.checkpointing import CheckpointError, find_checkpoint
+
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    (tmp_path / "iter_0000004.replaced").mkdir()
+    (tmp_path / "iter_0000004.replaced" / "train_state.json").write_text("{}")
+    assert find_checkpoint(tmp_path) == tmp_path / "iter_0000004.replaced"
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "iter_0000004" / "train_state.json").write_text("{}")
+    assert find_checkpoint(tmp_path) == tmp_path / "iter_0000004"
+    assert find_checkpoint(tmp_path / "iter_0000004") == tmp_path / "iter_0000004"
+    assert find_checkpoint(tmp_path / "nothing_here") is None
+    (tmp_path / "latest").write_text("iter_0000008\n")
+    with pytest.raises(CheckpointError, match="names iter_0000008, which is not a complete checkpoint"):
+        find_checkpoint(tmp_path)

@@ -6,6 +6,7 @@ Layout of `checkpoint.dir`:
         rng/rank00000.pt     each rank's RNG states (torch, CUDA, megatron's tracker, python, numpy)
     latest                   the name of the newest complete checkpoint ("iter_0000025")
     iter_0000050.tmp/        a save in progress (or one killed mid-way: ignored, removed by the next save)
+    iter_0000025.replaced/   only while step 25 is saved again over an older save of it (resume=false runs)
 
 Atomic save: all ranks write into `iter_XXXXXXX.tmp`; after a barrier (every rank finished), rank 0 writes
 train_state.json, renames the directory to `iter_XXXXXXX` and then replaces `latest` (write-temp, fsync,
@@ -25,6 +26,7 @@ model has no dropout, so training is unaffected); the data position comes from t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,9 +60,12 @@ def find_checkpoint(path: str | Path) -> Path | None:
     latest = path / LATEST
     if latest.is_file():
         target = path / latest.read_text().strip()
-        if not (target / META).is_file():
-            raise CheckpointError(f"{latest} names {target.name}, which is not a complete checkpoint")
-        return target
+        if (target / META).is_file():
+            return target
+        replaced = target.with_name(target.name + ".replaced")  # killed while re-saving the step `latest` names
+        if (replaced / META).is_file():
+            return replaced
+        raise CheckpointError(f"{latest} names {target.name}, which is not a complete checkpoint")
     return None
 
 
@@ -132,8 +137,12 @@ def save_checkpoint(state, root: str | Path, keep_last: int | None = None, befor
     tmp, final = root / (name + ".tmp"), root / name
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("iter_*.tmp"):  # left by a killed save
-            shutil.rmtree(stale)
+        latest = None
+        with contextlib.suppress(CheckpointError):
+            latest = find_checkpoint(root)
+        for stale in [*root.glob("iter_*.tmp"), *root.glob("iter_*.replaced")]:  # left by a killed save
+            if stale != latest:
+                shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(tmp))
@@ -144,11 +153,17 @@ def save_checkpoint(state, root: str | Path, keep_last: int | None = None, befor
         (tmp / META).write_text(json.dumps(state.meta(), indent=2))
         if before_publish is not None:
             before_publish(tmp)
-        if final.exists():  # a complete save of this step that `latest` never named (killed before publishing)
-            shutil.rmtree(final)
+        replaced = None
+        if final.exists():  # this step was saved before (a run with checkpoint.resume=false, or a killed one)
+            replaced = final.with_name(name + ".replaced")  # still found through `latest` until the new one is in
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            os.rename(final, replaced)
         os.rename(tmp, final)
         _fsync_dir(root)
         _write_atomic(root / LATEST, name + "\n")
+        if replaced is not None:
+            shutil.rmtree(replaced)
         if keep_last is not None:
             prune(root, keep_last)
     dist.barrier()
