@@ -55,6 +55,7 @@ def test_logger_writes_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatch
     assert [(r["kind"], r["step"]) for r in lines] == [("train", 1), ("train", 2), ("eval", 2)]
     assert lines[0]["loss"] is None and lines[0]["skipped"] is True  # NaN written as null, JSON stays valid
     assert calls[0][0] == "init" and calls[0][1]["mode"] == "offline" and calls[0][1]["project"] == "megatron_upipe"
+    assert calls[0][1]["dir"] == str(tmp_path)  # next to the metrics file, not the working directory
     assert [c[1] for c in calls if c[0] == "log"] == [1, 2, 2] and calls[-1] == ("finish",)
     assert math.isnan(calls[1][2]["train/loss"]) and calls[2][2]["train/loss"] == 2.5
     assert calls[3][2] == {"eval/loss": 2.4, "eval/tokens": 100}

@@ -94,8 +94,10 @@ class MetricsLogger:
         if log_config.wandb and log_config.wandb_mode != "disabled":
             import wandb
 
+            run_dir = Path(log_config.metrics_file).parent if log_config.metrics_file else None  # else ./wandb
             self.wandb = wandb.init(project=log_config.wandb_project, name=log_config.wandb_run_name,
-                                    mode=log_config.wandb_mode, config=run_config, resume="allow")
+                                    mode=log_config.wandb_mode, config=run_config, resume="allow",
+                                    dir=None if run_dir is None else str(run_dir))
 
     def log(self, record: dict, kind: str = "train") -> None:
         if self.file:
