@@ -94,3 +94,21 @@ def test_estimate_memory_cli_max_context_json_and_plot(tmp_path):
     assert best == data["max_context"]["upipe"]
     assert png.stat().st_size > 10_000
     assert "max context per strategy" in proc.stdout
+
+
+def _train_with_plan_check(rank, world_size, metrics):
+    from tests.train_harness import SMALL, run_main
+
+    code, err = run_main(*SMALL, "memory.plan_check=true", "train.steps=2", f"log.metrics_file={metrics}")
+    assert code == 0, err[-3000:]
+
+
+def test_training_log_puts_the_planner_prediction_beside_the_measured_peak(tmp_path):
+    from tests.train_harness import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    run_on_ranks(_train_with_plan_check, 2, str(metrics))
+    [record] = read_metrics(metrics, kind="memory")
+    assert record["step"] == 2 and record["measured_kind"] == "tracked"
+    assert record["measured_peak_bytes"] > 0
+    assert abs(record["rel_diff"]) < 0.01, record

@@ -16,7 +16,8 @@ TINY = str(ROOT / "examples" / "configs" / "tiny_cpu.yaml")
 DATA = [f"data.path={ROOT / 'data' / 'corpus_text_document'}", f"data.tokenizer={ROOT / 'data' / 'tokenizer' / 'spm.model'}"]
 # Short sequences and few steps; no evaluation, checkpoints or console lines unless a test asks for them.
 SMALL = ["train.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=4", "train.warmup_steps=1",
-         "train.eval_interval=0", "checkpoint.dir=null", "checkpoint.interval=0", "log.interval=1000"]
+         "train.eval_interval=0", "checkpoint.dir=null", "checkpoint.interval=0", "log.interval=1000",
+         "memory.plan_check=false"]
 
 
 def run_main(*overrides: str) -> tuple[int, str]:

@@ -265,6 +265,10 @@ class MemoryConfig:
     # (Megatron-FSDP; layers all-gathered just in time). Implies the sharded optimizer (train.distributed_optimizer
     # need not be set).
     shard_model_states: bool = False
+    # Log the memory planner's predicted peak beside the measured one: rank 0 runs tools/estimate_memory.py on the
+    # resolved config at start-up (seconds on CPU, about a minute for an 8B model) and the run measures its second
+    # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).
+    plan_check: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)

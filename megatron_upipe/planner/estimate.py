@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 
 from megatron_upipe.attention.schedule import make_schedule
@@ -72,6 +71,8 @@ class Estimate:
     breakdown: dict[str, int]
     host_bytes: int  # offloaded checkpoints per rank
     gpu_mem_bytes: int
+    tracked_bytes: int = 0  # the simulated step's live-tensor peak (what a tracker or max_memory_allocated sees)
+    device_bytes: int = 0  # tracked, with the attention workspace where it lands: before margins
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,7 +111,7 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
                       "margin: nccl": margins.nccl_bytes})
     total = device + frag + margins.cuda_context_bytes + margins.nccl_bytes
     return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes, breakdown, step.host_peak_bytes,
-                    gpu_mem_bytes)
+                    gpu_mem_bytes, step.peak_bytes, device)
 
 
 def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, gpu_mem_bytes: int,
@@ -144,7 +145,8 @@ def write_json(path: str, max_ctx: dict[str, int], results: list[Estimate]) -> N
     with open(path, "w") as f:
         json.dump({"max_context": max_ctx, "results": [
             {"strategy": r.strategy, "seq_length": r.seq_length, "peak_bytes": r.peak_bytes, "fits": r.fits,
-             "breakdown": r.breakdown, "host_bytes": r.host_bytes} for r in results]}, f, indent=1)
+             "breakdown": r.breakdown, "host_bytes": r.host_bytes, "tracked_bytes": r.tracked_bytes,
+             "device_bytes": r.device_bytes} for r in results]}, f, indent=1)
 
 
 def plot(path: str, results: list[Estimate], gpu_mem_bytes: int, title: str) -> None:
@@ -173,6 +175,3 @@ def format_breakdown(est: Estimate) -> str:
     host = f"; host {est.host_bytes / GIB:.2f} GiB" if est.host_bytes else ""
     return f"{est.strategy} @ {est.seq_length}: {est.peak_bytes / GIB:.2f} GiB ({', '.join(parts)}){host}"
 
-
-def round_up_context(tokens: int) -> int:
-    return math.ceil(tokens / CONTEXT_STEP) * CONTEXT_STEP

@@ -2,8 +2,10 @@
 
 `simulate_step(config, world_size)` builds the model, DDP wrapper and optimizer of pipeline stage 0 exactly as
 `pretrain_llama.py` does (same builders), under `FakeTensorMode` and torch's fake process group of `world_size`
-ranks, then runs one training step (megatron-core's forward/backward schedule over every micro-batch, and the
-optimizer's first-step state) inside a `PeakMemoryTracker`. The model states made during the build are registered
+ranks, then runs a steady-state training step inside a `PeakMemoryTracker`: Adam's moments exist (as after the
+first update) and megatron-core's forward/backward schedule runs over every micro-batch. The update itself is not
+run (it reads the gradient norm with .item(), which fake tensors cannot answer); with a fused Adam
+(TransformerEngine/apex on GPU) it allocates no full-size temporaries. The model states made during the build are registered
 with the tracker as such; everything the step allocates is attributed by the Python stack at allocation time.
 
 Categories: params, grads, optimizer (fp32 main weights and Adam moments), checkpoints (transformer-layer inputs
@@ -121,7 +123,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     with _symmetric_object_collectives() if planning else nullcontext():
         optimizer, _ = build_optimizer(ddp, tconfig, config, planning=planning)
     with _PlannerTracker() as mem:
-        state_bytes = _register_model_states(mem, stage.model, ddp, optimizer)
+        state_bytes = register_model_states(mem, stage.model, ddp, optimizer)
         moments = _materialise_adam(mem, optimizer)  # alive through every step after the first
         state_bytes += sum(m.untyped_storage().nbytes() for m in moments)
         handles = _retag_layer_inputs(stage.model, mem)
@@ -241,7 +243,9 @@ def _host_peak(stage) -> int:
     return 0 if offloader is None else offloader.peak_bytes
 
 
-def _register_model_states(mem: PeakMemoryTracker, model, ddp, optimizer) -> int:
+def register_model_states(mem: PeakMemoryTracker, model, ddp, optimizer) -> int:
+    """Count the stage's parameters, gradient buffers and optimizer tensors (made before tracking) as model
+    states; returns their bytes."""
     before = mem.live_bytes
     for buffer in getattr(ddp, "buffers", []):
         if getattr(buffer, "param_data", None) is not None:
@@ -255,6 +259,9 @@ def _register_model_states(mem: PeakMemoryTracker, model, ddp, optimizer) -> int
     for group in _inner(optimizer).param_groups:
         for p in group["params"]:
             mem.track(p, category="optimizer")  # fp32 main weights (bf16 runs) or the params themselves
+            for moment in _inner_state(optimizer).get(p, {}).values():  # Adam's moments, after the first step
+                if isinstance(moment, torch.Tensor) and moment.dim() > 0:
+                    mem.track(moment, category="optimizer")
     return mem.live_bytes - before
 
 
@@ -267,6 +274,14 @@ def _inner(optimizer):
 @dataclass
 class _ParamGroups:
     param_groups: list
+
+
+def _inner_state(optimizer) -> dict:
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    state: dict = {}
+    for o in opts:
+        state.update(getattr(getattr(o, "optimizer", o), "state", {}))
+    return state
 
 
 def _materialise_adam(mem: PeakMemoryTracker, optimizer) -> list[torch.Tensor]:

@@ -14,12 +14,14 @@ parallel.pp) -> global loss and gradient norm -> NaN policy (failures.py) -> opt
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron_upipe.training import checkpointing
+from megatron_upipe.config import to_yaml
+from megatron_upipe.training import checkpointing, memory_check
 from megatron_upipe.training.failures import as_distributed_failure, check_step
 from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step_record
 from megatron_upipe.training.optim import current_lr
@@ -61,13 +63,15 @@ def _forward_backward(state, data_iterator, forward_only: bool) -> list[dict]:
     )
 
 
-def train_step(state, data_iterator) -> dict:
-    """One optimizer step (state.step + 1); returns loss, lr, grad_norm, skipped. Raises NonFiniteError (stop)."""
+def train_step(state, data_iterator, around_forward_backward=None) -> dict:
+    """One optimizer step (state.step + 1); returns loss, lr, grad_norm, skipped. Raises NonFiniteError (stop).
+    `around_forward_backward`: a context manager entered around the forward/backward schedule (memory check)."""
     step = state.step + 1
     state.ddp.zero_grad_buffer()
     state.optimizer.zero_grad()
     state.scheduler.step(1)  # the LR of step `step`
-    reports = _forward_backward(state, data_iterator, forward_only=False)
+    with around_forward_backward or nullcontext():
+        reports = _forward_backward(state, data_iterator, forward_only=False)
     loss, _ = _global_loss(reports, state.groups.pg, state.groups.device)
     state.optimizer.prepare_grads()
     grad_norm = float(state.optimizer.get_grad_norm())  # global, before clipping
@@ -125,11 +129,23 @@ def _run(state) -> None:
     if state.resumed_from is not None:
         log.message(f"resumed from {state.resumed_from} at step {state.step} ({state.consumed_samples} samples)")
     peak_flops = device_peak_flops(groups.device)
+    predicted, measure_step = None, state.step + 2  # the run's second step: Adam's moments exist, as planned
+    if cfg.memory.plan_check and groups.rank == 0:
+        predicted = memory_check.predict(to_yaml(cfg), groups.world_size)
+        if predicted is not None:
+            log.message(f"memory planner: predicted peak {predicted['device_bytes'] / 2**20:.2f} MiB per GPU "
+                        f"({predicted['peak_bytes'] / 2**20:.1f} MiB with margins)")
     data_iterator = state.data.train_iterator(state.consumed_samples)
     while state.step < t.steps:
         start = time.perf_counter()
-        result = train_step(state, data_iterator)
+        check = predicted is not None and state.step + 1 == measure_step
+        measured = memory_check.MeasuredPeak(state, groups.device) if check else None
+        result = train_step(state, data_iterator, measured)
         state.step += 1
+        if check:
+            record = memory_check.comparison(state.step, measured.result, predicted)
+            log.log(record, kind="memory")
+            log.message(memory_check.comparison_line(record))
         state.consumed_samples += plan.global_batch_size
         seconds = time.perf_counter() - start
         mem, mem_kind = peak_memory(groups.device)

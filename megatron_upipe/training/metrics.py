@@ -115,6 +115,8 @@ class MetricsLogger:
             self.console(record, kind)
 
     def console(self, r: dict, kind: str) -> None:
+        if kind not in ("train", "eval"):  # other kinds (e.g. "memory") print their own line
+            return
         if kind == "eval":
             print(f"step {r['step']:6d} | eval loss {r['loss']:.4f} over {r['tokens']} tokens", flush=True)
             return
