@@ -61,13 +61,13 @@ def _inject_nan_at(step_no: int, unchanged: dict):
         out, loss_func = orig_forward(data_iterator, model)
         return out * float("nan"), loss_func
 
-    def train_step(state, data_iterator):
+    def train_step(state, data_iterator, *args):
         if state.step + 1 != step_no:
-            return orig_step(state, data_iterator)
+            return orig_step(state, data_iterator, *args)
         before = _tensors(list(state.model.parameters())) + _tensors(state.optimizer.state_dict()["state"])
         loop._forward_step = poisoned_forward
         try:
-            return orig_step(state, data_iterator)
+            return orig_step(state, data_iterator, *args)
         finally:
             loop._forward_step = orig_forward
             after = _tensors(list(state.model.parameters())) + _tensors(state.optimizer.state_dict()["state"])
