@@ -22,12 +22,12 @@ def _job(rank, world_size, tmp):
     orig = loop.train_step
     seen = {}
 
-    def train_step(state, data_iterator):
+    def train_step(state, data_iterator, *args):
         if state.step + 1 == 2:
             seen["step2_start"] = time.monotonic()
             if rank == 1:
                 time.sleep(STALL_S)  # stops answering
-        return orig(state, data_iterator)
+        return orig(state, data_iterator, *args)
 
     loop.train_step = train_step
     code, err = run_main(*SMALL, "train.steps=4", f"dist.timeout_s={TIMEOUT_S}", f"log.metrics_file={tmp}/m.jsonl")
