@@ -14,6 +14,7 @@ import torch
 
 from megatron_upipe.config import Config, Plan
 from megatron_upipe.data.tokenizers import Tokenizer
+from megatron_upipe.memory_stack.offload import HostOffloader
 from megatron_upipe.models.llama import LlamaStage, build_llama, llama_transformer_config
 from megatron_upipe.training import checkpointing
 from megatron_upipe.training.data import RunData, build_run_data, build_run_tokenizer, model_vocab_size
@@ -89,7 +90,8 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
                                        torch.float32, init_method_std=config.model.init_method_std,
                                        recompute_granularity=recompute)
     stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
-                        mlp_chunks=config.memory.mlp_chunks, loss_chunks=config.memory.loss_chunks)
+                        mlp_chunks=config.memory.mlp_chunks, loss_chunks=config.memory.loss_chunks,
+                        offloader=HostOffloader() if config.memory.offload_checkpoints else None)
     ddp = wrap_model(stage.model, tconfig, config)
     optimizer, scheduler = build_optimizer(ddp, tconfig, config)
     data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device)

@@ -32,7 +32,8 @@ def check_distributed_optimizer(config: Config) -> None:
 
 
 def wrap_model(model, tconfig, config: Config, *, float16_module: bool = True):
-    """Float16Module (bf16 runs) + megatron-core DDP; returns the module the schedules and optimizer take.
+    """Float16Module (bf16 runs) + megatron-core DDP, or Megatron-FSDP (ZeRO-3) with memory.shard_model_states;
+    returns the module the schedules and optimizer take.
 
     float16_module=False skips the Float16Module (the memory planner: its parameters are already built in bf16,
     and fake-tensor parameters cannot be swapped by its cast; it only casts the [b, s] loss output to fp32)."""
@@ -40,11 +41,16 @@ def wrap_model(model, tconfig, config: Config, *, float16_module: bool = True):
     from megatron.core.transformer.module import Float16Module
 
     module = Float16Module(tconfig, model) if tconfig.bf16 and float16_module else model
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=config.train.distributed_optimizer,
-    )
-    ddp = DistributedDataParallel(tconfig, ddp_config, module)
+    if config.memory.shard_model_states:  # ZeRO-3 over dp x cp (Megatron-FSDP), see megatron_upipe.memory_stack
+        from megatron_upipe.memory_stack.sharding import wrap_fully_sharded
+
+        ddp = wrap_fully_sharded(module, tconfig)
+    else:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=config.train.distributed_optimizer,
+        )
+        ddp = DistributedDataParallel(tconfig, ddp_config, module)
     tconfig.finalize_model_grads_func = finalize_model_grads  # grad all-reduce over dp x cp, embedding/pp sync
     return ddp
 
@@ -62,7 +68,8 @@ def build_optimizer(ddp, tconfig, config: Config, *, planning: bool = False):
     opt_config = OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=tconfig.bf16,
-        params_dtype=tconfig.params_dtype, use_distributed_optimizer=t.distributed_optimizer,
+        params_dtype=tconfig.params_dtype,
+        use_distributed_optimizer=t.distributed_optimizer or config.memory.shard_model_states,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=not planning)
     tconfig.grad_scale_func = optimizer.scale_loss  # 1.0 for fp32 / bf16 (no loss scaling)
