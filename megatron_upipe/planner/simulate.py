@@ -115,6 +115,10 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     from megatron_upipe.training import loop
     from megatron_upipe.training.optim import build_optimizer, wrap_model
 
+    zero3 = planning and config.memory.shard_model_states
+    if zero3:  # Megatron-FSDP cannot wrap fake parameters: plan it as DDP + sharded optimizer, then shard (below)
+        config = dataclasses.replace(config, memory=dataclasses.replace(config.memory, shard_model_states=False),
+                                     train=dataclasses.replace(config.train, distributed_optimizer=True))
     recompute = None if config.memory.recompute == "none" else config.memory.recompute
     tconfig = llama_transformer_config(plan.arch, layout, dtype=torch.bfloat16 if bf16 else torch.float32,
                                        init_method_std=config.model.init_method_std, recompute_granularity=recompute)
@@ -137,21 +141,53 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
             h.remove()
         del moments
     n_params = sum(p.numel() for p in stage.model.parameters())
-    return StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
+    step = StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
                       n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown))
+    return _shard_model_states(step, stage.model, pg.dp_cp.size()) if zero3 else step
+
+
+def _shard_model_states(step: StepMemory, model, shards: int) -> StepMemory:
+    """ZeRO-3 from the DDP + sharded-optimizer run: parameters and gradients, alive through the whole step, go
+    from full to 1/shards, plus Megatron-FSDP's just-in-time buffers: two layers' parameters (the one computing
+    and the prefetched next) and one layer's fp32 gradients being reduce-scattered. An analytic step on top of
+    the simulation (Megatron-FSDP cannot wrap fake parameters), stated in the breakdown."""
+    layers = [m for m in model.modules() if type(m).__name__ == "TransformerLayer"]
+    layer = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
+    layer_numel = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
+
+    def adjust(breakdown: dict) -> dict:
+        out = dict(breakdown)
+        for key in ("params", "grads"):
+            out[key] = -(-out.get(key, 0) // shards)
+        out["fsdp: gathered layer params"] = 2 * layer
+        out["fsdp: layer grads in flight"] = 4 * layer_numel
+        return out
+
+    peak, at_attention = adjust(step.breakdown), adjust(step.attention_peak_breakdown or {})
+    saved = sum(step.breakdown.get(k, 0) for k in ("params", "grads")) - peak["params"] - peak["grads"]
+    return dataclasses.replace(
+        step, peak_bytes=sum(peak.values()), breakdown=peak, model_state_bytes=step.model_state_bytes - saved,
+        attention_peak_bytes=sum(at_attention.values()) if step.attention_peak_breakdown else 0,
+        attention_peak_breakdown=at_attention)
 
 
 class _RealInputsStayReal(TorchDispatchMode):
-    """Inside FakeTensorMode: an op whose tensor inputs are all real (none fake) runs for real. megatron-core
-    compares CPU RNG states with `.item()` (tensor_parallel.random.fork), which fake tensors cannot answer; such
-    bookkeeping tensors are small and real. Factories (no tensor inputs) still make fake tensors."""
+    """Inside FakeTensorMode, bookkeeping stays real: an op whose tensor inputs are all real (none fake) runs for
+    real, and so do integer `arange`s. megatron-core compares CPU RNG states with `.item()`
+    (tensor_parallel.random.fork) and Megatron-FSDP checks its device-mesh ranks with `.tolist()`, which fake
+    tensors cannot answer. Such tensors are small; the tracker still counts them. Other factories make fakes."""
+
+    _ARANGES = ("aten::arange",)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import FakeTensor
 
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+        integer_arange = (func._schema.name in self._ARANGES and not tensors
+                          and (kwargs.get("dtype") is None or not kwargs["dtype"].is_floating_point)
+                          and all(isinstance(a, int) for a in args))
+        if integer_arange or (tensors and not any(isinstance(t, FakeTensor) for t in tensors)):
             with _disable_current_modes():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
@@ -234,8 +270,11 @@ class _SimState:
 
 
 def _memory_kwargs(config: Config) -> dict:
-    """Keyword arguments of build_llama for the memory switches."""
-    return {"mlp_chunks": config.memory.mlp_chunks, "loss_chunks": config.memory.loss_chunks}
+    """build_llama's memory switches, as the training job sets them, with host copies only counted."""
+    from megatron_upipe.memory_stack.offload import SimulatedHostOffloader
+    from megatron_upipe.training.build import memory_switches
+
+    return memory_switches(config, SimulatedHostOffloader)
 
 
 def _host_peak(stage) -> int:

@@ -81,6 +81,14 @@ def resume_source(config: Config) -> Path | None:
     return None
 
 
+def memory_switches(config: Config, offloader_cls=HostOffloader) -> dict:
+    """build_llama's keyword arguments for the memory.* switches (also the memory planner's, which passes a
+    SimulatedHostOffloader)."""
+    m = config.memory
+    return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks,
+            "offloader": offloader_cls() if m.offload_checkpoints else None}
+
+
 def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
     check_distributed_optimizer(config)
     tokenizer = build_run_tokenizer(config, plan)
@@ -90,8 +98,7 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
                                        torch.float32, init_method_std=config.model.init_method_std,
                                        recompute_granularity=recompute)
     stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
-                        mlp_chunks=config.memory.mlp_chunks, loss_chunks=config.memory.loss_chunks,
-                        offloader=HostOffloader() if config.memory.offload_checkpoints else None)
+                        **memory_switches(config))
     ddp = wrap_model(stage.model, tconfig, config)
     optimizer, scheduler = build_optimizer(ddp, tconfig, config)
     data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device)
