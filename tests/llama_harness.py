@@ -42,6 +42,15 @@ def random_hf_state_dict(arch, vocab_size: int, seed: int = 0, std: float = 0.05
     return out
 
 
+def random_setup(preset: str, vocab_size: int, batch: int, seq: int):
+    """(arch, HF-named random weights, token batch [batch, seq + 1]) shared by the layout-comparison tests."""
+    from megatron_upipe.models.presets import get_preset
+
+    arch = get_preset(preset)
+    tokens = torch.randint(0, vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    return arch, random_hf_state_dict(arch, vocab_size, seed=0), tokens
+
+
 def _loss_func(per_token_loss: torch.Tensor):
     # (sum over this rank's [b, s/C] tokens, token count, report): the schedule divides by the count and DDP
     # averages over dp×cp, which gives the global mean since every rank holds the same number of tokens.

@@ -124,13 +124,10 @@ def _model_checks(hf_sd, tokens) -> dict:
 
 
 def _job(rank, world_size):
-    from megatron_upipe.models.presets import get_preset
     from megatron_upipe.parallel import ParallelLayout
-    from tests.llama_harness import random_hf_state_dict, run_layout
+    from tests.llama_harness import random_setup, run_layout
 
-    arch = get_preset(ARCH)
-    hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    arch, hf_sd, tokens = random_setup(ARCH, VOCAB, BATCH, SEQ)
     runs = {}
     for kw, mlp_chunks in PAIRS:
         layout = ParallelLayout(**kw)
