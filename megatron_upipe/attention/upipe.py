@@ -48,6 +48,11 @@ class StageOp:
     save_heads: bool = False
 
 
+def _local_rope(rope, rank: int, s: int):
+    """(cos, sin) rows of this rank's s contiguous positions, or None without RoPE."""
+    return None if rope is None else (rope[0][rank * s:(rank + 1) * s], rope[1][rank * s:(rank + 1) * s])
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -110,7 +115,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
     H, d = sched.num_heads, w_q.shape[2]
     x2 = x.reshape(s * b, D)  # [s·b, D]
-    local_rope = None if rope is None else (rope[0][op.rank * s:(op.rank + 1) * s], rope[1][op.rank * s:(op.rank + 1) * s])
+    local_rope = _local_rope(rope, op.rank, s)
     stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
     out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
     out_shbd = out.view(s, b, H, d)
@@ -152,7 +157,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     H, d = sched.num_heads, w_q.shape[2]
     dtype, acc = x.dtype, _acc_dtype(x.dtype)
     x2 = x.reshape(s * b, D)  # [s·b, D]
-    local_rope = None if rope is None else (rope[0][op.rank * s:(op.rank + 1) * s], rope[1][op.rank * s:(op.rank + 1) * s])
+    local_rope = _local_rope(rope, op.rank, s)
     stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
     out_shbd = out.view(s, b, H, d)
     dout_shbd = dout.contiguous().view(s, b, H, d)

@@ -295,46 +295,30 @@ def register_model_states(mem: PeakMemoryTracker, model, ddp, optimizer) -> int:
         mem.track(p, category="params")
         if getattr(p, "main_grad", None) is not None:
             mem.track(p.main_grad, category="grads")
-    for group in _inner(optimizer).param_groups:
-        for p in group["params"]:
-            mem.track(p, category="optimizer")  # fp32 main weights (bf16 runs) or the params themselves
-            for moment in _inner_state(optimizer).get(p, {}).values():  # Adam's moments, after the first step
-                if isinstance(moment, torch.Tensor) and moment.dim() > 0:
-                    mem.track(moment, category="optimizer")
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                mem.track(p, category="optimizer")  # fp32 main weights (bf16 runs) or the params themselves
+                for moment in inner.state.get(p, {}).values():  # Adam's moments, after the first step
+                    if isinstance(moment, torch.Tensor) and moment.dim() > 0:
+                        mem.track(moment, category="optimizer")
     return mem.live_bytes - before
 
 
-def _inner(optimizer):
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    inner = [getattr(o, "optimizer", o) for o in opts]
-    return _ParamGroups([g for o in inner for g in o.param_groups])
-
-
-@dataclass
-class _ParamGroups:
-    param_groups: list
-
-
-def _inner_state(optimizer) -> dict:
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    state: dict = {}
-    for o in opts:
-        state.update(getattr(getattr(o, "optimizer", o), "state", {}))
-    return state
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside megatron-core's (possibly chained) optimizer."""
+    return [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def _materialise_adam(mem: PeakMemoryTracker, optimizer) -> list[torch.Tensor]:
     """Adam's two fp32 moments per main parameter, as its first step creates them (the step itself reads a
     gradient norm with .item(), which fake tensors cannot give). The caller keeps them alive."""
     moments = []
-    for group in _inner(optimizer).param_groups:
-        for p in group["params"]:
-            for _ in range(2):
-                t = torch.zeros_like(p, dtype=torch.float32)
-                mem.retag(t, "optimizer")
-                moments.append(t)
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                for _ in range(2):
+                    t = torch.zeros_like(p, dtype=torch.float32)
+                    mem.retag(t, "optimizer")
+                    moments.append(t)
     return moments
-
-
-def step_memory_dict(m: StepMemory) -> dict:
-    return dataclasses.asdict(m)
