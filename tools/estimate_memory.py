@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_upipe.config import ConfigError, validate  # noqa: E402
 from megatron_upipe.planner.estimate import (  # noqa: E402
-    GIB, ConfigSource, Margins, estimate, format_breakdown, max_context, plot, write_json,
+    GIB, ConfigSource, Margins, estimate, format_breakdown, format_named, max_context, plot, write_json,
 )
 
 
@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-context-gib", type=float, default=Margins.cuda_context_bytes / GIB)
     p.add_argument("--nccl-gib", type=float, default=Margins.nccl_bytes / GIB)
     p.add_argument("--fragmentation", type=float, default=Margins.fragmentation)
+    p.add_argument("--explain", type=float, default=None, metavar="MIB",
+                   help="also list the buffers of at least MIB MiB alive at the deciding peak, by allocation site")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
@@ -85,9 +87,12 @@ def main(argv=None) -> int:
             print(f"{strategy}: max context {tokens} tokens" + (f"\n  {format_breakdown(fitting[0])}" if fitting else ""),
                   flush=True)
         else:
-            est = estimate(source, world, vocab, strategy, config.train.seq_length, gpu, margins)
+            est = estimate(source, world, vocab, strategy, config.train.seq_length, gpu, margins,
+                           named_bytes=int((a.explain or 0) * 2**20))
             results.append(est)
             print(("fits: " if est.fits else "does NOT fit: ") + format_breakdown(est), flush=True)
+            if a.explain is not None:
+                print(format_named(est), flush=True)
     if a.max_context:
         print("\nmax context per strategy: " + ", ".join(f"{k} {v / 2**20:.3g}M" for k, v in max_ctx.items()))
     if a.json:

@@ -73,6 +73,7 @@ class Estimate:
     gpu_mem_bytes: int
     tracked_bytes: int = 0  # the simulated step's live-tensor peak (what a tracker or max_memory_allocated sees)
     device_bytes: int = 0  # tracked, with the attention workspace where it lands: before margins
+    named: tuple = ()  # (category, allocation site, bytes) of the large storages alive at the deciding peak
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,26 +93,26 @@ def strategy_overrides(strategy: str, cp: int) -> list[str]:
 
 
 def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, seq_length: int,
-             gpu_mem_bytes: int, margins: Margins = Margins()) -> Estimate:
+             gpu_mem_bytes: int, margins: Margins = Margins(), named_bytes: int = 0) -> Estimate:
     extra = strategy_overrides(strategy, source.load().parallel.cp) + [f"train.seq_length={seq_length}"]
     if strategy == "none":  # the spare ranks become data parallel, with the global batch following
         extra += ["parallel.dp=null", "train.global_batch_size=null"]
     cfg = source.load(extra)
-    step: StepMemory = simulate_step(cfg, world_size, vocab_size)
+    step: StepMemory = simulate_step(cfg, world_size, vocab_size, named_bytes)
     workspace = flash_workspace_bytes(cfg, world_size)
     breakdown = dict(step.breakdown)
     at_attention = step.attention_peak_bytes + workspace
     if at_attention > step.peak_bytes:  # the peak moves into the attention backward
         breakdown = {**(step.attention_peak_breakdown or {}), "workspace": workspace}
-        device = at_attention
+        device, named = at_attention, step.attention_peak_named
     else:
-        device = step.peak_bytes
+        device, named = step.peak_bytes, step.peak_named
     frag = int(device * margins.fragmentation)
     breakdown.update({"margin: fragmentation": frag, "margin: cuda context": margins.cuda_context_bytes,
                       "margin: nccl": margins.nccl_bytes})
     total = device + frag + margins.cuda_context_bytes + margins.nccl_bytes
     return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes, breakdown, step.host_peak_bytes,
-                    gpu_mem_bytes, step.peak_bytes, device)
+                    gpu_mem_bytes, step.peak_bytes, device, named)
 
 
 def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, gpu_mem_bytes: int,
@@ -168,6 +169,16 @@ def plot(path: str, results: list[Estimate], gpu_mem_bytes: int, title: str) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def format_named(est: Estimate) -> str:
+    """The large buffers alive at the deciding peak, grouped by category and allocation site, largest first."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for category, site, nbytes in est.named:
+        groups.setdefault((category, site), []).append(nbytes)
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    return "\n".join(f"    {sum(b) / GIB:7.2f} GiB  {len(b):3d} x {max(b) / GIB:6.2f}  {c:<12} {site}"
+                     for (c, site), b in rows)
 
 
 def format_breakdown(est: Estimate) -> str:

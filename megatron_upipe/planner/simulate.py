@@ -69,6 +69,8 @@ class StepMemory:
     num_parameters: int  # this rank's stage
     attention_peak_bytes: int = 0  # most bytes alive at an allocation of the attention op
     attention_peak_breakdown: dict | None = None
+    peak_named: tuple = ()  # (category, allocation site, bytes) of the large storages alive at the peak
+    attention_peak_named: tuple = ()
 
 
 def _layout(config: Config, plan):
@@ -92,24 +94,62 @@ def _retag_layer_inputs(model, tracker: PeakMemoryTracker):
     return handles
 
 
+def allocation_site() -> str:
+    """'file.py:line function' of the innermost frame in megatron_upipe or megatron-core (the CPU shims of
+    megatron_upipe.compat skipped), else the autograd engine."""
+    frame = sys._getframe(3)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if ("megatron_upipe/" in name or "megatron/core/" in name) and "megatron_upipe/compat/" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "autograd engine"
+
+
 class _PlannerTracker(PeakMemoryTracker):
     """Also remembers the most bytes alive at any allocation made by the attention op: kernel workspace that the
-    tracker cannot see (attention backward) adds to that moment, not to the step's peak elsewhere."""
+    tracker cannot see (attention backward) adds to that moment, not to the step's peak elsewhere. Storages of at
+    least `named_bytes` get a name (category, allocation site) and the named ones alive at both peaks are kept:
+    the planner's answer to "which buffers decide the peak"."""
 
-    def __init__(self) -> None:
+    def __init__(self, named_bytes: int = 0) -> None:
         super().__init__(classify=classify_by_stack)
         self.attention_peak_bytes = 0
         self.attention_peak_breakdown: dict[str, int] = {}
+        self.named_bytes = named_bytes
+        self._named: dict[int, tuple[str, str, int]] = {}  # storage key -> (category, site, bytes)
+        self.peak_named: list[tuple[str, str, int]] = []
+        self.attention_peak_named: list[tuple[str, str, int]] = []
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._named.pop(key, None)
+        super()._free(key, nbytes)
 
     def track(self, t, name="external", category=None) -> None:
+        st = t.untyped_storage()
+        key, new = st._cdata, st._cdata not in self._seen
+        peak_before = self.peak_bytes
         super().track(t, name, category)
-        key = t.untyped_storage()._cdata
+        if new and self.named_bytes and st.nbytes() >= self.named_bytes:
+            self._named[key] = (self._seen[key], allocation_site() if name != "external" or category is None
+                                else f"model state ({category})", st.nbytes())
+        if self.named_bytes and self.peak_bytes > peak_before:
+            self.peak_named = list(self._named.values())
         if self._seen.get(key) == "attention" and self.live_bytes > self.attention_peak_bytes:
             self.attention_peak_bytes = self.live_bytes
             self.attention_peak_breakdown = {k: v for k, v in self.live_by_category.items() if v}
+            if self.named_bytes:
+                self.attention_peak_named = list(self._named.values())
+
+    def retag(self, t, category: str) -> None:
+        super().retag(t, category)
+        key = t.untyped_storage()._cdata
+        if key in self._named:
+            self._named[key] = (category, *self._named[key][1:])
 
 
-def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool) -> StepMemory:
+def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool,
+                 named_bytes: int = 0) -> StepMemory:
     """Build this rank's stage as the training job does and track one step (on real or fake tensors alike)."""
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.training import loop
@@ -126,7 +166,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
     with _symmetric_object_collectives() if planning else nullcontext():
         optimizer, _ = build_optimizer(ddp, tconfig, config, planning=planning)
-    with _PlannerTracker() as mem:
+    with _PlannerTracker(named_bytes) as mem:
         state_bytes = register_model_states(mem, stage.model, ddp, optimizer)
         moments = _materialise_adam(mem, optimizer)  # alive through every step after the first
         state_bytes += sum(m.untyped_storage().nbytes() for m in moments)
@@ -142,7 +182,8 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
         del moments
     n_params = sum(p.numel() for p in stage.model.parameters())
     step = StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
-                      n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown))
+                      n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown),
+                      tuple(mem.peak_named), tuple(mem.attention_peak_named))
     return _shard_model_states(step, stage.model, pg.dp_cp.size()) if zero3 else step
 
 
@@ -163,12 +204,19 @@ def _shard_model_states(step: StepMemory, model, shards: int) -> StepMemory:
         out["fsdp: layer grads in flight"] = 4 * layer_numel
         return out
 
+    def adjust_named(named) -> tuple:
+        out = [(c, site, -(-n // shards) if c in ("params", "grads") and site.startswith("model state") else n)
+               for c, site, n in named]
+        return (*out, ("fsdp: gathered layer params", "analytic", 2 * layer),
+                ("fsdp: layer grads in flight", "analytic", 4 * layer_numel))
+
     peak, at_attention = adjust(step.breakdown), adjust(step.attention_peak_breakdown or {})
     saved = sum(step.breakdown.get(k, 0) for k in ("params", "grads")) - peak["params"] - peak["grads"]
     return dataclasses.replace(
         step, peak_bytes=sum(peak.values()), breakdown=peak, model_state_bytes=step.model_state_bytes - saved,
         attention_peak_bytes=sum(at_attention.values()) if step.attention_peak_breakdown else 0,
-        attention_peak_breakdown=at_attention)
+        attention_peak_breakdown=at_attention, peak_named=adjust_named(step.peak_named),
+        attention_peak_named=adjust_named(step.attention_peak_named))
 
 
 class _RealInputsStayReal(TorchDispatchMode):
@@ -193,8 +241,9 @@ class _RealInputsStayReal(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def simulate_step(config: Config, world_size: int, vocab_size: int) -> StepMemory:
-    """Peak memory of rank 0 for one training step of `config` on `world_size` GPUs (bf16 unless train.bf16=false)."""
+def simulate_step(config: Config, world_size: int, vocab_size: int, named_bytes: int = 0) -> StepMemory:
+    """Peak memory of rank 0 for one training step of `config` on `world_size` GPUs (bf16 unless train.bf16=false).
+    Storages of at least `named_bytes` (0: none) are named by allocation site in the result."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -209,7 +258,7 @@ def simulate_step(config: Config, world_size: int, vocab_size: int) -> StepMemor
         pg = initialize_parallel(layout, seed=config.train.seed, gloo_groups=False)
         with FakeTensorMode(allow_non_fake_inputs=True), _RealInputsStayReal():
             return measure_step(config, plan, layout, pg, vocab_size, bf16=config.train.bf16 is not False,
-                                planning=True)  # a GPU plan: train.bf16=auto means bf16 there
+                                planning=True, named_bytes=named_bytes)  # a GPU plan: train.bf16=auto means bf16 there
     finally:
         destroy_parallel()
         dist.destroy_process_group()
