@@ -1,0 +1,58 @@
+"""Full recompute without keeping the recomputed layer's output: one [s/cp, b, D] tensor less at the peak.
+
+megatron-core's full recompute (`tensor_parallel.checkpoint`) re-runs a layer in its backward and then calls
+`torch.autograd.backward(outputs, grads)`. The recomputed output is only the root of that backward (autograd reads
+its shape, never its values), yet it stays alive through the whole layer backward, which is where the step's peak
+is at long context (6 GiB per rank for Llama3-8B at 6M tokens on 8 ranks).
+
+A forward hook on each transformer layer replaces, during the recompute only (grad enabled and megatron-core's
+`is_checkpointing()`), the layer's hidden-states output with `shape_only(output)`: a one-element tensor expanded to
+the output's shape, whose backward hands the incoming gradient to the real output unchanged. The real output's
+storage is freed when the layer returns. Numerically transparent (identity backward); the first, no-grad forward
+(whose output is the next layer's input) is untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.random import is_checkpointing
+
+
+class _ShapeOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # x [s, b, D] -> a [s, b, D] expanded view of one element (no data kept)
+        return x.new_zeros(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def shape_only(x: torch.Tensor) -> torch.Tensor:
+    """Autograd stand-in of `x` with x's shape and grad_fn chain but no storage of x's size."""
+    return _ShapeOnly.apply(x)
+
+
+def _drop_output(layer, args, output):
+    if not (torch.is_grad_enabled() and is_checkpointing()):
+        return None
+    if isinstance(output, tuple) and isinstance(output[0], torch.Tensor) and output[0].requires_grad:
+        return (shape_only(output[0]), *output[1:])
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        return shape_only(output)
+    return None
+
+
+def drop_recomputed_outputs(model: torch.nn.Module, config) -> list:
+    """Install the hook on every TransformerLayer of `model` (TransformerConfig `config`); returns the handles.
+
+    Needs one layer per checkpoint (recompute_method='uniform', recompute_num_layers=1): inside a chunk of several
+    layers an output is the next layer's input, whose values are read."""
+    if config.recompute_granularity != "full" or config.recompute_method != "uniform" \
+            or config.recompute_num_layers != 1:
+        raise ValueError(
+            "dropping recomputed layer outputs needs full recompute of one layer per checkpoint "
+            "(recompute_granularity='full', recompute_method='uniform', recompute_num_layers=1); got "
+            f"{config.recompute_granularity!r}, {config.recompute_method!r}, {config.recompute_num_layers!r}")
+    return [m.register_forward_hook(_drop_output) for m in model.modules()
+            if type(m).__name__ == "TransformerLayer"]
