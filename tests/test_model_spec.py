@@ -104,7 +104,7 @@ def test_paper_presets_translate_to_megatron_config(preset):
     assert config.layernorm_epsilon == arch.norm_epsilon and config.bf16
     plan = build_cp_plan(config, layout, pp_rank=1)
     assert len(plan.block_spec.layer_specs) == arch.num_layers // 2
-    assert plan.sequence_split == "contiguous" and plan.rope_full_sequence
+    assert plan.sequence_split == "contiguous" and plan.rope_rank_rows
 
 
 def test_mcore_version_is_the_tested_one():

@@ -45,12 +45,12 @@ def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
             raise ValueError(f"{name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; cast one of them")
     if rotary_pos_emb is not None:
         N = s * C
-        if rotary_pos_emb.shape[0] != N or rotary_pos_emb.dim() != 4:
+        if rotary_pos_emb.shape[0] not in (N, s) or rotary_pos_emb.dim() != 4:
             raise ValueError(
                 f"rotary_pos_emb must be [N, 1, 1, rot_dim] for all N = {C} ranks x {s} local tokens = {N} global "
-                f"positions (megatron-core RotaryEmbedding output, not sliced per CP rank); got "
-                f"{tuple(rotary_pos_emb.shape)}. If the global sequence length is not a multiple of the cp size, "
-                f"pad it or change the cp size"
+                f"positions (megatron-core RotaryEmbedding output, not sliced per CP rank) or [{s}, 1, 1, rot_dim] "
+                f"for this rank's contiguous positions; got {tuple(rotary_pos_emb.shape)}. If the global sequence "
+                f"length is not a multiple of the cp size, pad it or change the cp size"
             )
         rot = rotary_pos_emb.shape[-1]
         if rot % 2 or rot > d:
@@ -58,42 +58,57 @@ def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
 
 
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
-             ulysses: bool = False):
+             ulysses: bool = False, grad_accum: str = "fp32", w_o=None):
+    if grad_accum not in ("fp32", "input"):
+        raise ValueError(f"grad_accum={grad_accum!r}: use 'fp32' or 'input' (the activations' dtype)")
     C = group_size(cp_group)
     _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C)
+    if w_o is not None and (w_o.shape != (x.shape[-1], w_q.shape[0] * w_q.shape[1] * w_q.shape[2])
+                            or w_o.dtype != x.dtype):
+        raise ValueError(f"w_o must be [D, G·g·d] = [{x.shape[-1]}, {w_q.shape[0] * w_q.shape[1] * w_q.shape[2]}] "
+                         f"in {x.dtype}; got {tuple(w_o.shape)} {w_o.dtype}")
     G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
     schedule = make_schedule(G * g, G, C, G * g if ulysses else heads_per_stage)
     chosen = select_kernel(x.device, x.dtype, d, kernel)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
-    op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses)
-    rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)
+    op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
+                 accumulate_fp32=grad_accum == "fp32")
+    if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
+        rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
+    rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)  # [s, rot/2] each
     return op, rope
 
 
 def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
-    kernel: str | None = None,
+    kernel: str | None = None, grad_accum: str = "fp32", w_o=None,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
     This is the layout of megatron-core's fused `linear_qkv.weight.view(G, g + 2, d, D)` sliced into q, k, v
-    (views, no copy). See `upipe_attention` for the other arguments.
+    (views, no copy). grad_accum: 'fp32' (default) accumulates dx and dK/dV over stages in float32 for 16-bit
+    inputs; 'input' in the input dtype (smaller, one rounding per stage). w_o [D, G·g·d]: the output projection,
+    fused so that backward never builds the [s, b, G·g·d] gradient whole; the result is then [s, b, D] (this
+    rank's partial sums under tensor parallelism). See `upipe_attention` for the others.
     """
-    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel)
+    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
+                        grad_accum=grad_accum, w_o=w_o)
     cos, sin = rope if rope is not None else (None, None)
-    return UPipeFunction.apply(x, w_q, w_k, w_v, cos, sin, op)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, cos, sin, op)
 
 
 def ulysses_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
+    grad_accum: str = "fp32", w_o=None,
 ):
     """Plain Ulysses with grouped weights (see `upipe_attention_grouped`): one stage of all H heads whose q, k, v
     and out stay in head layout for backward, as DeepSpeed's DistributedAttention over flash attention keeps them.
     It shares UPipe's projection, RoPE and all-to-all code, so the two differ only in what they keep alive."""
-    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True)
+    op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True,
+                        grad_accum=grad_accum, w_o=w_o)
     cos, sin = rope if rope is not None else (None, None)
-    return UPipeFunction.apply(x, w_q, w_k, w_v, cos, sin, op)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, cos, sin, op)
 
 
 def _group_weights(x, w_q, w_k, w_v, num_heads: int, num_kv_heads: int):
@@ -123,8 +138,8 @@ def upipe_attention(
     x [s, b, D]: this rank's shard (rank r of cp_group holds global tokens [r·s, (r+1)·s)).
     w_q [H·d, D], w_k, w_v [G·d, D]: natural head order (head i = rows i·d:(i+1)·d); query head i uses KV head
     i // (H / G). heads_per_stage: U summed over the C ranks (None: the smallest legal value; U = H is Ulysses).
-    rotary_pos_emb [N, 1, 1, rot_dim]: angles of all N global positions (megatron-core RotaryEmbedding format);
-    each rank applies its own positions. softmax_scale defaults to 1/sqrt(d). kernel: a name from
+    rotary_pos_emb [N, 1, 1, rot_dim]: angles of all N global positions (megatron-core RotaryEmbedding format),
+    of which each rank applies its own, or [s, 1, 1, rot_dim]: the angles of this rank's positions only. softmax_scale defaults to 1/sqrt(d). kernel: a name from
     `kernels.KERNELS` or None for automatic choice.
     Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
     Differentiable with respect to x, w_q, w_k and w_v.

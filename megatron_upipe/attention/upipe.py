@@ -13,7 +13,12 @@ a KV round and stay resident for the round. Only one stage's buffers are alive a
 Backward, saving only x, the weights, the output buffer and per-stage lse: per round recompute K/V, per stage
 recompute q, all-to-all the stage's slices of out and dout into head layout, call the kernel's backward (no
 attention forward recompute), all-to-all dq back, undo RoPE, and accumulate dx and the weight-row gradients;
-dK/dV accumulate over the round's stages (in float32 for 16-bit inputs) and go back once per round.
+dK/dV accumulate over the round's stages (in float32 for 16-bit inputs, or in the input dtype with
+`accumulate_fp32=False`) and go back once per round.
+
+With the output projection W_O [D, H·d] passed in (`w_o`), the op returns out @ W_O^T [s, b, D] and its backward
+never builds dout [s, b, H·d] whole: each stage's dout rows are dy @ W_O[:, stage heads], written straight into the
+all-to-all send buffer, and dW_O = dy^T @ out is one GEMM (out is saved anyway).
 
 Plain Ulysses is the same code with one stage of all H heads and `save_heads=True`: q, k, v and out stay alive
 in head layout from forward to backward (what autograd over DeepSpeed's DistributedAttention + flash attention
@@ -46,15 +51,14 @@ class StageOp:
     # False: UPipe (recompute projections and all-to-alls in backward). True: plain Ulysses behaviour, keeping
     # q, k, v and out in head layout for backward like DeepSpeed's DistributedAttention over flash attention.
     save_heads: bool = False
+    # Accumulate dx (over stages) and dK/dV (over a KV round's stages) in float32 for 16-bit inputs (exact to one
+    # final rounding), or in the input dtype (half the bytes of the two largest backward buffers; one rounding
+    # per stage): memory.attention_grad_accum.
+    accumulate_fp32: bool = True
 
 
-def _local_rope(rope, rank: int, s: int):
-    """(cos, sin) rows of this rank's s contiguous positions, or None without RoPE."""
-    return None if rope is None else (rope[0][rank * s:(rank + 1) * s], rope[1][rank * s:(rank + 1) * s])
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
+    return torch.float32 if fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _project_to_heads(x2, w_rows, rope, s, b, C, h, op: StageOp) -> torch.Tensor:
@@ -104,8 +108,21 @@ def _round_rows(sched: UPipeSchedule, device):
     return stage_heads, [(h // g, h % g) for h in stage_heads], round_kv
 
 
+def _dout_heads(dy2, w_o, heads: torch.Tensor, s: int, b: int, C: int, d: int) -> torch.Tensor:
+    """Stage slice of dout = dy @ W_O, never building dout: dy2 [s·b, D], w_o [D, H·d] -> send [C, s, b, m, d]."""
+    D = w_o.shape[0]
+    m = heads.numel() // C
+    w_heads = w_o.view(D, -1, d)  # [D, H, d]
+    send = torch.empty((C, s, b, m, d), dtype=dy2.dtype, device=dy2.device)  # [C, s, b, m, d]
+    for j in range(C):
+        cols = w_heads.index_select(1, heads[j * m:(j + 1) * m]).view(D, m * d)  # [D, m·d] (small copy)
+        torch.mm(dy2, cols, out=send[j].view(s * b, m * d))  # [s·b, D] @ [D, m·d]
+    return send
+
+
 def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
-    """x [s, b, D]; w_q [G, g, d, D]; w_k, w_v [G, d, D]; rope = (cos, sin) [N, rot/2] or None.
+    """x [s, b, D]; w_q [G, g, d, D]; w_k, w_v [G, d, D]; rope = (cos, sin) of this rank's positions [s, rot/2]
+    or None.
 
     Returns (out [s, b, H·d], lse per stage, kernel aux per stage, (q, k, v, out) head-layout tensors per stage
     when op.save_heads else []).
@@ -115,7 +132,6 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
     H, d = sched.num_heads, w_q.shape[2]
     x2 = x.reshape(s * b, D)  # [s·b, D]
-    local_rope = _local_rope(rope, op.rank, s)
     stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
     out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
     out_shbd = out.view(s, b, H, d)
@@ -125,9 +141,9 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
         if st.new_round:
             k_head = v_head = None  # free the previous round's K/V before projecting the next
             kv = round_kv[st.round_index]
-            k_head = _project_to_heads(x2, w_k[kv], local_rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+            k_head = _project_to_heads(x2, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
             v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-        q_head = _project_to_heads(x2, w_q[gi, ji], local_rope, s, b, C, m, op)  # [N, b, m, d]
+        q_head = _project_to_heads(x2, w_q[gi, ji], rope, s, b, C, m, op)  # [N, b, m, d]
         a0, a1 = st.kv_slots
         o, lse, aux = kernel_forward(
             op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
@@ -146,8 +162,10 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
     return out, lses, auxes, saved
 
 
-def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: StageOp, needs_dw: bool = True):
-    """Gradients (dx [s, b, D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D]) given dout [s, b, H·d].
+def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: StageOp, needs_dw: bool = True,
+                   w_o=None):
+    """Gradients (dx [s, b, D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D], dw_o [D, H·d] or None) given
+    dout [s, b, H·d], or, with the output projection w_o [D, H·d], given dy [s, b, D] (the gradient of out @ w_o^T).
 
     `saved` holds the forward's head-layout (q, k, v, out) per stage when op.save_heads (Ulysses); the list is
     emptied as it is consumed so each stage's tensors die as early as they would under autograd."""
@@ -155,12 +173,16 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     s, b, D = x.shape
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
     H, d = sched.num_heads, w_q.shape[2]
-    dtype, acc = x.dtype, _acc_dtype(x.dtype)
+    dtype, acc = x.dtype, _acc_dtype(x.dtype, op.accumulate_fp32)
     x2 = x.reshape(s * b, D)  # [s·b, D]
-    local_rope = _local_rope(rope, op.rank, s)
     stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
     out_shbd = out.view(s, b, H, d)
-    dout_shbd = dout.contiguous().view(s, b, H, d)
+    if w_o is None:
+        dout_shbd = dout.contiguous().view(s, b, H, d)
+        dw_o = None
+    else:
+        dy2 = dout.reshape(s * b, D)  # [s·b, D]
+        dw_o = torch.mm(dy2.t(), out.view(s * b, H * d)) if needs_dw else None  # [D, H·d]
     dx = torch.zeros((s * b, D), dtype=acc, device=x.device)  # [s·b, D]
     dw_q, dw_k, dw_v = (torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_q, w_k, w_v)) if needs_dw else (None,) * 3
 
@@ -171,7 +193,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             dx.add_(torch.mm(rows, w_rows))
 
     def finish_round(kv, dk_acc, dv_acc):
-        for g_acc, w, dw, rot in ((dk_acc, w_k, dw_k, local_rope), (dv_acc, w_v, dw_v, None)):
+        for g_acc, w, dw, rot in ((dk_acc, w_k, dw_k, rope), (dv_acc, w_v, dw_v, None)):
             rows = _heads_to_rows(g_acc.to(dtype), rot, s, b, op)  # [s·b, C·n_kv·d]
             w_rows = w[kv].view(C * n_kv * d, D)
             add_input_grad(rows, w_rows)
@@ -188,14 +210,16 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         else:
             if st.new_round:
                 k_head = v_head = None
-                k_head = _project_to_heads(x2, w_k[kv], local_rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+                k_head = _project_to_heads(x2, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
                 v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-            q_head = _project_to_heads(x2, w_rows, local_rope, s, b, C, m, op)  # [N, b, m, d]
+            q_head = _project_to_heads(x2, w_rows, rope, s, b, C, m, op)  # [N, b, m, d]
             o_head = seq_to_head(_gather_heads(out_shbd, heads, C), op.group)  # [N, b, m, d]
         if st.new_round:
             dk_acc = torch.zeros(k_head.shape, dtype=acc, device=x.device)  # [N, b, n_kv, d]
             dv_acc = torch.zeros(v_head.shape, dtype=acc, device=x.device)
-        do_head = seq_to_head(_gather_heads(dout_shbd, heads, C), op.group)  # [N, b, m, d]
+        do_send = _gather_heads(dout_shbd, heads, C) if w_o is None else _dout_heads(dy2, w_o, heads, s, b, C, d)
+        do_head = seq_to_head(do_send, op.group)  # [C, s, b, m, d] -> [N, b, m, d]
+        del do_send
         a0, a1 = st.kv_slots
         dq, dk, dv = kernel_backward(
             op.kernel, do_head.permute(1, 2, 0, 3), q_head.permute(1, 2, 0, 3),
@@ -206,7 +230,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         dk_acc[:, :, a0:a1] += dk.permute(2, 0, 1, 3)
         dv_acc[:, :, a0:a1] += dv.permute(2, 0, 1, 3)
         del dk, dv
-        rows = _heads_to_rows(dq.permute(2, 0, 1, 3), local_rope, s, b, op)  # [s·b, U·d]
+        rows = _heads_to_rows(dq.permute(2, 0, 1, 3), rope, s, b, op)  # [s·b, U·d]
         del dq
         add_input_grad(rows, w_rows.view(-1, D))
         if needs_dw:
@@ -217,26 +241,31 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             k_head = v_head = None
             finish_round(kv, dk_acc, dv_acc)
             dk_acc = dv_acc = None
-    return dx.view(s, b, D).to(dtype), dw_q, dw_k, dw_v
+    return dx.view(s, b, D).to(dtype), dw_q, dw_k, dw_v, dw_o
 
 
 class UPipeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_q, w_k, w_v, rope_cos, rope_sin, op: StageOp):
-        rope = None if rope_cos is None else (rope_cos, rope_sin)
-        out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op)
-        ctx.save_for_backward(x, w_q, w_k, w_v, out, rope_cos, rope_sin)
-        ctx.lses, ctx.auxes, ctx.saved, ctx.op = lses, auxes, saved, op
-        return out
+    """(x, w_q, w_k, w_v, w_o or None, cos, sin, op) -> out [s, b, H·d], or out @ w_o^T [s, b, D] with w_o."""
 
     @staticmethod
-    def backward(ctx, dout):
-        x, w_q, w_k, w_v, out, rope_cos, rope_sin = ctx.saved_tensors
+    def forward(ctx, x, w_q, w_k, w_v, w_o, rope_cos, rope_sin, op: StageOp):
         rope = None if rope_cos is None else (rope_cos, rope_sin)
-        needs_dw = any(ctx.needs_input_grad[1:4])
+        out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op)
+        ctx.save_for_backward(x, w_q, w_k, w_v, w_o, out, rope_cos, rope_sin)
+        ctx.lses, ctx.auxes, ctx.saved, ctx.op = lses, auxes, saved, op
+        if w_o is None:
+            return out
+        s, b, _ = out.shape
+        return torch.mm(out.view(s * b, -1), w_o.t()).view(s, b, w_o.shape[0])  # [s, b, H·d] -> [s, b, D]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_q, w_k, w_v, w_o, out, rope_cos, rope_sin = ctx.saved_tensors
+        rope = None if rope_cos is None else (rope_cos, rope_sin)
+        needs_dw = any(ctx.needs_input_grad[1:5])
         saved, ctx.saved = ctx.saved, None
-        dx, dw_q, dw_k, dw_v = upipe_backward(
-            dout, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, saved, rope, ctx.op, needs_dw
+        dx, dw_q, dw_k, dw_v, dw_o = upipe_backward(
+            grad, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, saved, rope, ctx.op, needs_dw, w_o=w_o
         )
         ctx.lses = ctx.auxes = None
-        return dx, dw_q, dw_k, dw_v, None, None, None
+        return dx, dw_q, dw_k, dw_v, dw_o, None, None, None

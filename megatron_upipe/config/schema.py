@@ -261,6 +261,10 @@ class MemoryConfig:
     # layer's backward: pinned memory on CUDA, copied on a side stream (megatron_upipe.memory_stack). Needs
     # recompute=full.
     offload_checkpoints: bool = False
+    # UPipe/Ulysses backward accumulates dx over head stages and dK/dV over a KV round in float32 ("fp32": one
+    # rounding at the end, as one fused projection GEMM would) or in the activations' 16-bit dtype ("input": the two
+    # largest attention-backward buffers at half size, one rounding per stage).
+    attention_grad_accum: Literal["fp32", "input"] = "fp32"
     # ZeRO-3: parameters, fp32 main parameters, gradients and Adam states sharded over the dp x cp ranks
     # (Megatron-FSDP; layers all-gathered just in time). Implies the sharded optimizer (train.distributed_optimizer
     # need not be set).

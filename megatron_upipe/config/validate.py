@@ -138,6 +138,9 @@ def validate(config: Config, world_size: int) -> Plan:
         if config.dist.backend == "gloo":
             errors.append(f"parallel.cp_strategy={p.cp_strategy} (TransformerEngine) needs CUDA and NCCL: set "
                           f"dist.backend=nccl/auto or cp_strategy=upipe/ulysses")
+    if config.memory.attention_grad_accum != "fp32" and p.cp_strategy not in ("ulysses", "upipe"):
+        errors.append(f"memory.attention_grad_accum={config.memory.attention_grad_accum} applies to the UPipe/Ulysses "
+                      f"attention op only: set parallel.cp_strategy=upipe/ulysses or memory.attention_grad_accum=fp32")
     if m.attention_kernel == "flash_attn" and not _importable("flash_attn"):
         errors.append("model.attention_kernel=flash_attn but the flash-attn package is not importable: install it "
                       "or set model.attention_kernel=auto")

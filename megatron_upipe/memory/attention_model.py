@@ -13,7 +13,7 @@ per rank in a round, w KV heads one stage attends to per rank.
   Xw  = N·b·w·d·e   the kernel's dK (or dV) for one stage
   Wu  = U·d·D·e     the gathered W_Q rows of a stage;  Wkv = C·n·d·D·e the W_K (or W_V) rows of a round
   O   = s·b·H·d·e   the output buffer (saved; W_O needs it anyway);  L = b·(H/C)·N·l all stages' lse
-  DX  = s·b·D·a, DW = (H + 2G)·d·D·e the gradients returned;  R = RoPE cos + sin tables
+  DX  = s·b·D·a, DW = (H + 2G)·d·D·e the gradients returned;  R = RoPE cos + sin tables of the s local positions
 With C = 1 the all-to-alls are no-ops and their receive buffers vanish (rc = 0).
 """
 
@@ -72,7 +72,7 @@ def attention_memory(shape: AttentionShape, heads_per_stage: int | None = None, 
     Xq, Xkv, Xw = sb * U * d * e, sb * C * n * d * e, N * b * w * d * e
     Akv = Xkv // e * a
     Wu, Wkv = U * d * D * e, C * n * d * D * e
-    O, Ls, R = sb * H * d * e, b * m * N * lse, (2 * N * (rot // 2) * e if rot else 0)
+    O, Ls, R = sb * H * d * e, b * m * N * lse, (2 * s * (rot // 2) * e if rot else 0)
     L = Ls * S
     DX, DW = sb * D * a, (H + 2 * G) * d * D * e
     ws = kernel_workspace

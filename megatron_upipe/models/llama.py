@@ -92,17 +92,38 @@ class LlamaStage:
     offloader: object | None = None  # memory_stack HostOffloader holding the checkpointed layer inputs, if any
 
 
+class RankRowsRotaryEmbedding(torch.nn.Module):
+    """megatron-core's RotaryEmbedding reduced to this CP rank's contiguous positions: asked for N positions it
+    returns the angles of positions [r·N/C, (r+1)·N/C) ([N/C, 1, 1, rot_dim], same values as those rows of the
+    full table) instead of all N (at 6M tokens: 3 GiB of float32 angles per rank, alive through the step).
+    Holds no parameters or buffers (RotaryEmbedding's inv_freq is a plain attribute): state dicts are unchanged."""
+
+    def __init__(self, inner: torch.nn.Module, cp_group) -> None:
+        super().__init__()
+        self.inner = inner
+        self.cp_size, self.cp_rank = cp_group.size(), cp_group.rank()
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        if packed_seq:
+            raise NotImplementedError("UPipe/Ulysses attention does not support packed sequences")
+        s = max_seq_len // self.cp_size  # [N] -> this rank's [s/C] positions
+        return self.inner.get_emb(s, offset + self.cp_rank * s)  # [s/C, 1, 1, rot_dim]
+
+
 def build_llama(
     arch: LlamaArch, layout: ParallelLayout, pg_collection, *, vocab_size: int | None = None,
     dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None, mlp_chunks: int = 1,
-    loss_chunks: int = 1, offloader=None,
+    loss_chunks: int = 1, offloader=None, attention_grad_accum: str = "fp32",
 ) -> LlamaStage:
     """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`.
 
     mlp_chunks / loss_chunks: `memory.mlp_chunks` / `memory.loss_chunks` (1 = megatron-core's plain modules).
     offloader: `memory.offload_checkpoints` - a `megatron_upipe.memory_stack.offload.HostOffloader` (or the memory
     planner's SimulatedHostOffloader) that keeps each checkpointed layer input until its backward; needs the
-    config's full recompute. None = off.
+    config's full recompute. None = off. attention_grad_accum: `memory.attention_grad_accum` of the UPipe/Ulysses op.
     """
     vocab = vocab_size if vocab_size is not None else arch.vocab_size
     if vocab is None:
@@ -111,7 +132,7 @@ def build_llama(
         raise ValueError(f"mlp_chunks={mlp_chunks} and loss_chunks={loss_chunks} must be positive (1 = off)")
     config = config if config is not None else llama_transformer_config(arch, layout, dtype=dtype)
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
-    plan = build_cp_plan(config, layout, pp_rank=pp_rank)
+    plan = build_cp_plan(config, layout, pp_rank=pp_rank, grad_accum=attention_grad_accum)
     if mlp_chunks > 1:
         plan = dataclasses.replace(plan, block_spec=with_tiled_mlp_block(plan.block_spec, mlp_chunks))
     model_cls, extra = (ChunkedLossGPTModel, {"loss_chunks": loss_chunks}) if loss_chunks > 1 else (GPTModel, {})
@@ -130,10 +151,14 @@ def build_llama(
         pg_collection=pg_collection,
         **extra,
     )
-    if plan.rope_full_sequence:
-        # The headwise CP ops take the angles of all N positions and slice their contiguous share themselves;
-        # RotaryEmbedding slices per CP rank (zigzag) only when it holds a CP group.
-        model.rotary_pos_emb.cp_group = None
+    if plan.rope_rank_rows:
+        # The headwise CP ops rotate this rank's contiguous positions only: make just those angles ([s/C] rows, not
+        # the [N] rows nor megatron's zigzag slice of them).
+        model.rotary_pos_emb = RankRowsRotaryEmbedding(model.rotary_pos_emb, pg_collection.cp)
+    if config.recompute_granularity == "full":
+        from megatron_upipe.memory_stack.recompute_output import drop_recomputed_outputs
+
+        drop_recomputed_outputs(model, config)
     if offloader is not None:
         from megatron_upipe.memory_stack.checkpoint_offload import attach_checkpoint_offload
 

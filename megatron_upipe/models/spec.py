@@ -12,7 +12,7 @@
 Our strategies use megatron-core's local modules (ColumnParallelLinear, RowParallelLinear, MLP with SwiGLU) and our
 `RMSNorm` (sequence-parallel capable), so parameter names and checkpoints are the same for none/ulysses/upipe.
 The caller gets a `CPPlan`: the block spec plus the properties the rest of the stack must follow (how batches
-are split over CP ranks, whether RoPE angles are passed for the whole sequence); nothing else reads the name.
+are split over CP ranks, whether RoPE angles are made for this rank's contiguous positions only); nothing else reads the name.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ TE_STRATEGIES = ("p2p", "a2a", "a2a+p2p")
 class CPPlan:
     block_spec: TransformerBlockSubmodules  # the layers of this pipeline stage and the final norm
     sequence_split: str  # "contiguous" or "zigzag": see megatron_upipe.cp_batch
-    rope_full_sequence: bool  # attention takes RoPE angles of all N positions (the model must not CP-slice them)
+    rope_rank_rows: bool  # attention takes the RoPE angles of this rank's contiguous positions only
 
 
 def te_available() -> bool:
@@ -78,30 +78,35 @@ def _te_layer_spec(strategy: str) -> tuple[ModuleSpec, type]:
     return spec, TENorm
 
 
-def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: int = 0) -> CPPlan:
-    """Layer spec of pipeline stage `pp_rank` for `layout.cp_strategy` (the only reader of that field)."""
+def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: int = 0,
+                  grad_accum: str = "fp32") -> CPPlan:
+    """Layer spec of pipeline stage `pp_rank` for `layout.cp_strategy` (the only reader of that field).
+    grad_accum: the UPipe/Ulysses op's backward accumulation ('fp32' or 'input'); other strategies need 'fp32'."""
     strategy = layout.cp_strategy
     norm = RMSNorm
     if strategy == "none":
         if layout.cp > 1:
             raise ValueError("cp_strategy='none' cannot run with cp > 1")
-        layer, split, full_rope = _local_layer_spec(config), "contiguous", False
+        layer, split, rank_rope = _local_layer_spec(config), "contiguous", False
     elif strategy in ("ulysses", "upipe"):
         from megatron_upipe.attention import ulysses_attention_grouped, upipe_attention_grouped
 
         check_supported(config, layout.tp)
         op = (
-            ulysses_attention_grouped
+            partial(ulysses_attention_grouped, grad_accum=grad_accum)
             if strategy == "ulysses"
-            else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage)
+            else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage, grad_accum=grad_accum)
         )
-        layer, split, full_rope = _headwise_cp_layer_spec(config, op), "contiguous", True
+        layer, split, rank_rope = _headwise_cp_layer_spec(config, op), "contiguous", True
     elif strategy in TE_STRATEGIES:
-        (layer, norm), split, full_rope = _te_layer_spec(strategy), "zigzag", False
+        (layer, norm), split, rank_rope = _te_layer_spec(strategy), "zigzag", False
     else:
         raise ValueError(f"cp_strategy={strategy!r} is unknown")
+    if grad_accum != "fp32" and strategy not in ("ulysses", "upipe"):
+        raise ValueError(f"attention_grad_accum={grad_accum!r} applies to cp_strategy 'ulysses' or 'upipe' only; "
+                         f"set memory.attention_grad_accum=fp32 for cp_strategy={strategy!r}")
     if strategy != "upipe" and layout.upipe_heads_per_stage is not None:
         raise ValueError(f"upipe_heads_per_stage is set but cp_strategy={strategy!r}; it only applies to 'upipe'")
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     block = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
-    return CPPlan(block_spec=block, sequence_split=split, rope_full_sequence=full_rope)
+    return CPPlan(block_spec=block, sequence_split=split, rope_rank_rows=rank_rope)

@@ -7,7 +7,10 @@ of this TP rank, g = query heads per group, d head dim, N global sequence length
 and checkpoint layout. It never calls `linear_qkv`'s forward (that would project all heads at once and lose
 UPipe's memory saving): the op receives views of the fused weight, rows interleaved per query group as
 [q heads of the group, k, v], and projects only each stage's heads. Gradients flow back into
-`linear_qkv.weight` through the views. Which op (UPipe with its U, or plain Ulysses) is chosen by the layer
+`linear_qkv.weight` through the views. `linear_proj` (RowParallelLinear) is not called either: its weight is
+passed to the op, which returns out @ W_O^T (this TP rank's partial sums; reduced here as RowParallelLinear
+would, all-reduce or reduce-scatter under sequence parallelism), so the backward never holds the
+[s/C, b, H·d/t] gradient of the attention output whole. Which op (UPipe with its U, or plain Ulysses) is chosen by the layer
 spec (`megatron_upipe.models.spec`), which binds it into the `cp_attention` parameter.
 
 RoPE: the op needs the angles of all N positions ([N, 1, 1, rot_dim], not sliced per CP rank) and applies this
@@ -24,6 +27,8 @@ import torch
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -113,11 +118,16 @@ class HeadwiseCPSelfAttention(SelfAttention):
         g = self.num_attention_heads_per_partition // G
         d = self.hidden_size_per_attention_head
         w = self.linear_qkv.weight.view(G, g + 2, d, x.shape[-1])  # [G·(g+2)·d, D] -> [G, g+2, d, D]
-        out = self.cp_attention(
+        partial = self.cp_attention(
             x, w[:, :g], w[:, g], w[:, g + 1],  # w_q [G, g, d, D], w_k [G, d, D], w_v [G, d, D]
             cp_group=self.pg_collection.cp,
             rotary_pos_emb=rotary_pos_emb,  # [N, 1, 1, rot_dim]
             causal=True,
             softmax_scale=self.config.softmax_scale,
-        )  # [s/C, b, G·g·d], heads group-major: the column order linear_proj expects
-        return self.linear_proj(out)  # [s/C (or s/(C·t) with SP), b, D], bias
+            w_o=self.linear_proj.weight,  # [D, G·g·d]: heads group-major, linear_proj's column order
+        )  # [s/C, b, D], partial sums over this TP rank's heads
+        if self.config.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, group=tp_group)  # [s/(C·t), b, D]
+        else:
+            out = reduce_from_tensor_model_parallel_region(partial, group=tp_group)  # [s/C, b, D]
+        return out, None  # RowParallelLinear's (output, bias): no bias (check_supported)

@@ -85,7 +85,7 @@ def memory_switches(config: Config, offloader_cls=HostOffloader) -> dict:
     """build_llama's keyword arguments for the memory.* switches (also the memory planner's, which passes a
     SimulatedHostOffloader)."""
     m = config.memory
-    return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks,
+    return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks, "attention_grad_accum": m.attention_grad_accum,
             "offloader": offloader_cls() if m.offload_checkpoints else None}
 
 
