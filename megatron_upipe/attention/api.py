@@ -58,7 +58,10 @@ def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
 
 
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
-             ulysses: bool = False, grad_accum: str = "fp32", w_o=None):
+             ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
+             norm_tile_rows: int = 32768):
+    if norm_tile_rows < 1:
+        raise ValueError(f"norm_tile_rows={norm_tile_rows} must be positive")
     if grad_accum not in ("fp32", "input"):
         raise ValueError(f"grad_accum={grad_accum!r}: use 'fp32' or 'input' (the activations' dtype)")
     C = group_size(cp_group)
@@ -67,13 +70,19 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
                             or w_o.dtype != x.dtype):
         raise ValueError(f"w_o must be [D, G·g·d] = [{x.shape[-1]}, {w_q.shape[0] * w_q.shape[1] * w_q.shape[2]}] "
                          f"in {x.dtype}; got {tuple(w_o.shape)} {w_o.dtype}")
+    for name, w in (("w_o", w_o), ("norm_w", norm_w)):
+        if w is not None and w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but x is on {x.device}; move one of them")
+    if norm_w is not None and (norm_w.shape != (x.shape[-1],) or norm_w.dtype != x.dtype):
+        raise ValueError(f"norm_w must be [D] = [{x.shape[-1]}] in {x.dtype}; got {tuple(norm_w.shape)} "
+                         f"{norm_w.dtype}")
     G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
     schedule = make_schedule(G * g, G, C, G * g if ulysses else heads_per_stage)
     chosen = select_kernel(x.device, x.dtype, d, kernel)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
-                 accumulate_fp32=grad_accum == "fp32")
+                 accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows)
     if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
         rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
     rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)  # [s, rot/2] each
@@ -82,7 +91,8 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
 
 def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
-    kernel: str | None = None, grad_accum: str = "fp32", w_o=None,
+    kernel: str | None = None, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
+    norm_tile_rows: int = 32768,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
@@ -90,25 +100,29 @@ def upipe_attention_grouped(
     (views, no copy). grad_accum: 'fp32' (default) accumulates dx and dK/dV over stages in float32 for 16-bit
     inputs; 'input' in the input dtype (smaller, one rounding per stage). w_o [D, G·g·d]: the output projection,
     fused so that backward never builds the [s, b, G·g·d] gradient whole; the result is then [s, b, D] (this
-    rank's partial sums under tensor parallelism). See `upipe_attention` for the others.
+    rank's partial sums under tensor parallelism). norm_w [D] (eps norm_eps): the input RMSNorm, fused so that
+    RMSNorm(x) is never whole (x is then the norm's input; gradients flow to x and norm_w), regenerated
+    norm_tile_rows rows at a time. See `upipe_attention` for the others.
     """
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
-                        grad_accum=grad_accum, w_o=w_o)
+                        grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
+                        norm_tile_rows=norm_tile_rows)
     cos, sin = rope if rope is not None else (None, None)
-    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, cos, sin, op)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, cos, sin, op)
 
 
 def ulysses_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
-    grad_accum: str = "fp32", w_o=None,
+    grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5, norm_tile_rows: int = 32768,
 ):
     """Plain Ulysses with grouped weights (see `upipe_attention_grouped`): one stage of all H heads whose q, k, v
     and out stay in head layout for backward, as DeepSpeed's DistributedAttention over flash attention keeps them.
     It shares UPipe's projection, RoPE and all-to-all code, so the two differ only in what they keep alive."""
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True,
-                        grad_accum=grad_accum, w_o=w_o)
+                        grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
+                        norm_tile_rows=norm_tile_rows)
     cos, sin = rope if rope is not None else (None, None)
-    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, cos, sin, op)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, cos, sin, op)
 
 
 def _group_weights(x, w_q, w_k, w_v, num_heads: int, num_kv_heads: int):

@@ -16,6 +16,11 @@ attention forward recompute), all-to-all dq back, undo RoPE, and accumulate dx a
 dK/dV accumulate over the round's stages (in float32 for 16-bit inputs, or in the input dtype with
 `accumulate_fp32=False`) and go back once per round.
 
+With the input RMSNorm passed in (`norm_w`, eps in StageOp), x is the layer input before the norm and the op
+never holds RMSNorm(x) whole: every projection (and weight-gradient GEMM) regenerates the normalised rows tile by
+tile from x and the saved per-token 1/rms, and backward turns the accumulated input gradient into the gradient of
+x and of the norm weight tile by tile (the formulas of models/tiled_norm.py, so results equal norm-then-op).
+
 With the output projection W_O [D, H·d] passed in (`w_o`), the op returns out @ W_O^T [s, b, D] and its backward
 never builds dout [s, b, H·d] whole: each stage's dout rows are dy @ W_O[:, stage heads], written straight into the
 all-to-all send buffer, and dW_O = dy^T @ out is one GEMM (out is saved anyway).
@@ -55,18 +60,52 @@ class StageOp:
     # final rounding), or in the input dtype (half the bytes of the two largest backward buffers; one rounding
     # per stage): memory.attention_grad_accum.
     accumulate_fp32: bool = True
+    norm_eps: float = 1e-5  # of the fused input RMSNorm, when its weight is passed
+    norm_tile_rows: int = 32768  # rows of RMSNorm(x) regenerated at a time (float32 temporaries [T, D])
 
 
 def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
     return torch.float32 if fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _project_to_heads(x2, w_rows, rope, s, b, C, h, op: StageOp) -> torch.Tensor:
-    """x2 [s·b, D] @ w_rows [C·h, d, D]^T -> RoPE -> all-to-all -> [N, b, h, d] (this rank's h heads)."""
+class _Rows:
+    """The op's input rows [s·b, D]: x itself, or RMSNorm(x) regenerated tile by tile (never whole)."""
+
+    def __init__(self, x2: torch.Tensor, norm_w=None, rstd=None, tile_rows: int = 0) -> None:
+        self.x2, self.norm_w, self.rstd = x2, norm_w, rstd  # x2 [s·b, D], rstd [s·b, 1] float32
+        n = x2.shape[0]
+        self.tiles = [(0, n)] if norm_w is None else [(i, min(n, i + tile_rows)) for i in range(0, n, tile_rows)]
+
+    def tile(self, a: int, z: int) -> torch.Tensor:  # [z-a, D]
+        from megatron_upipe.models.tiled_norm import rms_tile
+
+        return self.x2[a:z] if self.norm_w is None else rms_tile(self.x2[a:z], self.norm_w, self.rstd[a:z])
+
+    def mm(self, w_t: torch.Tensor) -> torch.Tensor:
+        """rows @ w_t: [s·b, D] @ [D, R] -> [s·b, R]."""
+        if self.norm_w is None:
+            return torch.mm(self.x2, w_t)
+        out = torch.empty((self.x2.shape[0], w_t.shape[1]), dtype=self.x2.dtype, device=self.x2.device)
+        for a, z in self.tiles:
+            torch.mm(self.tile(a, z), w_t, out=out[a:z])
+        return out
+
+    def t_mm(self, g: torch.Tensor) -> torch.Tensor:
+        """g^T @ rows: [s·b, R]^T @ [s·b, D] -> [R, D] (tiles summed in float32 for 16-bit, then cast)."""
+        if self.norm_w is None:
+            return torch.mm(g.t(), self.x2)
+        acc = torch.zeros((g.shape[1], self.x2.shape[1]), dtype=torch.float32, device=g.device)
+        for a, z in self.tiles:
+            acc += torch.mm(g[a:z].t(), self.tile(a, z))
+        return acc.to(g.dtype)
+
+
+def _project_to_heads(rows_in: _Rows, w_rows, rope, s, b, C, h, op: StageOp) -> torch.Tensor:
+    """rows [s·b, D] @ w_rows [C·h, d, D]^T -> RoPE -> all-to-all -> [N, b, h, d] (this rank's h heads)."""
     d = w_rows.shape[1]
-    proj = torch.mm(x2, w_rows.view(C * h * d, -1).t())  # [s·b, C·h·d]
+    proj = rows_in.mm(w_rows.view(C * h * d, -1).t())  # [s·b, C·h·d]
     src = proj.view(s, b, C, h, d)  # [s, b, C, h, d]
-    send = torch.empty((C, s, b, h, d), dtype=x2.dtype, device=x2.device)  # [C, s, b, h, d]
+    send = torch.empty((C, s, b, h, d), dtype=proj.dtype, device=proj.device)  # [C, s, b, h, d]
     dst = send.permute(1, 2, 0, 3, 4)  # [s, b, C, h, d] view of the send buffer
     if rope is None:
         dst.copy_(src)
@@ -120,10 +159,22 @@ def _dout_heads(dy2, w_o, heads: torch.Tensor, s: int, b: int, C: int, d: int) -
     return send
 
 
-def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
+def _norm_rstd(x2: torch.Tensor, op: StageOp) -> torch.Tensor:
+    """Per-token 1/rms of x2 [s·b, D] -> [s·b, 1] float32, tile by tile."""
+    from megatron_upipe.models.tiled_norm import rms_tile_rstd
+
+    rstd = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device)
+    for a in range(0, x2.shape[0], op.norm_tile_rows):
+        z = min(x2.shape[0], a + op.norm_tile_rows)
+        rms_tile_rstd(x2[a:z], op.norm_eps, rstd[a:z])
+    return rstd
+
+
+def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None):
     """x [s, b, D]; w_q [G, g, d, D]; w_k, w_v [G, d, D]; rope = (cos, sin) of this rank's positions [s, rot/2]
     or None.
 
+    norm_w [D] with rstd [s·b, 1]: x is the input of the fused RMSNorm (see the module docstring).
     Returns (out [s, b, H·d], lse per stage, kernel aux per stage, (q, k, v, out) head-layout tensors per stage
     when op.save_heads else []).
     """
@@ -131,7 +182,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
     s, b, D = x.shape
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
     H, d = sched.num_heads, w_q.shape[2]
-    x2 = x.reshape(s * b, D)  # [s·b, D]
+    xin = _Rows(x.reshape(s * b, D), norm_w, rstd, op.norm_tile_rows)  # [s·b, D] rows (normalised on the fly)
     stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
     out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
     out_shbd = out.view(s, b, H, d)
@@ -141,9 +192,9 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
         if st.new_round:
             k_head = v_head = None  # free the previous round's K/V before projecting the next
             kv = round_kv[st.round_index]
-            k_head = _project_to_heads(x2, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-            v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-        q_head = _project_to_heads(x2, w_q[gi, ji], rope, s, b, C, m, op)  # [N, b, m, d]
+            k_head = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+            v_head = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+        q_head = _project_to_heads(xin, w_q[gi, ji], rope, s, b, C, m, op)  # [N, b, m, d]
         a0, a1 = st.kv_slots
         o, lse, aux = kernel_forward(
             op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
@@ -163,9 +214,11 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp):
 
 
 def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: StageOp, needs_dw: bool = True,
-                   w_o=None):
+                   w_o=None, norm_w=None, rstd=None):
     """Gradients (dx [s, b, D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D], dw_o [D, H·d] or None) given
     dout [s, b, H·d], or, with the output projection w_o [D, H·d], given dy [s, b, D] (the gradient of out @ w_o^T).
+    With the fused input norm (norm_w [D], rstd [s·b, 1]) dx is the gradient of the norm's input, and the norm
+    weight's gradient is returned first after it: (dx, dw_norm, dw_q, dw_k, dw_v, dw_o).
 
     `saved` holds the forward's head-layout (q, k, v, out) per stage when op.save_heads (Ulysses); the list is
     emptied as it is consumed so each stage's tensors die as early as they would under autograd."""
@@ -174,7 +227,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
     H, d = sched.num_heads, w_q.shape[2]
     dtype, acc = x.dtype, _acc_dtype(x.dtype, op.accumulate_fp32)
-    x2 = x.reshape(s * b, D)  # [s·b, D]
+    xin = _Rows(x.reshape(s * b, D), norm_w, rstd, op.norm_tile_rows)  # [s·b, D] rows (normalised on the fly)
     stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
     out_shbd = out.view(s, b, H, d)
     if w_o is None:
@@ -198,7 +251,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             w_rows = w[kv].view(C * n_kv * d, D)
             add_input_grad(rows, w_rows)
             if needs_dw:
-                dw.index_add_(0, kv, torch.mm(rows.t(), x2).view(C * n_kv, d, D))  # replicas sum here
+                dw.index_add_(0, kv, xin.t_mm(rows).view(C * n_kv, d, D))  # replicas sum here
 
     k_head = v_head = dk_acc = dv_acc = None
     for idx, (st, heads, (gi, ji)) in enumerate(zip(sched.stages, stage_heads, stage_rows)):
@@ -210,9 +263,9 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         else:
             if st.new_round:
                 k_head = v_head = None
-                k_head = _project_to_heads(x2, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-                v_head = _project_to_heads(x2, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-            q_head = _project_to_heads(x2, w_rows, rope, s, b, C, m, op)  # [N, b, m, d]
+                k_head = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+                v_head = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
+            q_head = _project_to_heads(xin, w_rows, rope, s, b, C, m, op)  # [N, b, m, d]
             o_head = seq_to_head(_gather_heads(out_shbd, heads, C), op.group)  # [N, b, m, d]
         if st.new_round:
             dk_acc = torch.zeros(k_head.shape, dtype=acc, device=x.device)  # [N, b, n_kv, d]
@@ -234,24 +287,42 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         del dq
         add_input_grad(rows, w_rows.view(-1, D))
         if needs_dw:
-            dw_q[gi, ji] = torch.mm(rows.t(), x2).view(-1, d, D)
+            dw_q[gi, ji] = xin.t_mm(rows).view(-1, d, D)
         del rows, w_rows
         last_of_round = idx + 1 == len(sched.stages) or sched.stages[idx + 1].new_round
         if last_of_round:
             k_head = v_head = None
             finish_round(kv, dk_acc, dv_acc)
             dk_acc = dv_acc = None
-    return dx.view(s, b, D).to(dtype), dw_q, dw_k, dw_v, dw_o
+    if norm_w is None:
+        return dx.view(s, b, D).to(dtype), None, dw_q, dw_k, dw_v, dw_o
+    dx, dw_norm = _norm_backward(dx, xin, dtype)
+    return dx.view(s, b, D), dw_norm, dw_q, dw_k, dw_v, dw_o
+
+
+def _norm_backward(dxn: torch.Tensor, xin: _Rows, dtype):
+    """Gradient of the normalised rows dxn [s·b, D] (accumulator dtype) -> (dx [s·b, D] in x's dtype, dw_norm
+    [D]), tile by tile; dx is written into dxn itself when that has x's dtype."""
+    from megatron_upipe.models.tiled_norm import rms_tile_backward
+
+    x2 = xin.x2
+    dx = dxn if dxn.dtype == dtype else torch.empty(x2.shape, dtype=dtype, device=x2.device)  # [s·b, D]
+    dw = torch.zeros(xin.norm_w.shape, dtype=torch.float32, device=x2.device)  # [D]
+    for a, z in xin.tiles:
+        dx[a:z] = rms_tile_backward(x2[a:z], xin.norm_w, xin.rstd[a:z], dxn[a:z].to(dtype), dw)
+    return dx, dw.to(xin.norm_w.dtype)
 
 
 class UPipeFunction(torch.autograd.Function):
-    """(x, w_q, w_k, w_v, w_o or None, cos, sin, op) -> out [s, b, H·d], or out @ w_o^T [s, b, D] with w_o."""
+    """(x, w_q, w_k, w_v, w_o or None, norm_w or None, cos, sin, op) -> out [s, b, H·d], or out @ w_o^T [s, b, D]
+    with w_o; with norm_w, x is the input of the fused RMSNorm."""
 
     @staticmethod
-    def forward(ctx, x, w_q, w_k, w_v, w_o, rope_cos, rope_sin, op: StageOp):
+    def forward(ctx, x, w_q, w_k, w_v, w_o, norm_w, rope_cos, rope_sin, op: StageOp):
         rope = None if rope_cos is None else (rope_cos, rope_sin)
-        out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op)
-        ctx.save_for_backward(x, w_q, w_k, w_v, w_o, out, rope_cos, rope_sin)
+        rstd = None if norm_w is None else _norm_rstd(x.reshape(-1, x.shape[-1]), op)  # [s·b, 1] float32
+        out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op, norm_w, rstd)
+        ctx.save_for_backward(x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin)
         ctx.lses, ctx.auxes, ctx.saved, ctx.op = lses, auxes, saved, op
         if w_o is None:
             return out
@@ -260,12 +331,13 @@ class UPipeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, w_q, w_k, w_v, w_o, out, rope_cos, rope_sin = ctx.saved_tensors
+        x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin = ctx.saved_tensors
         rope = None if rope_cos is None else (rope_cos, rope_sin)
-        needs_dw = any(ctx.needs_input_grad[1:5])
+        needs_dw = any(ctx.needs_input_grad[1:6])
         saved, ctx.saved = ctx.saved, None
-        dx, dw_q, dw_k, dw_v, dw_o = upipe_backward(
-            grad, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, saved, rope, ctx.op, needs_dw, w_o=w_o
+        dx, dw_norm, dw_q, dw_k, dw_v, dw_o = upipe_backward(
+            grad, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, saved, rope, ctx.op, needs_dw, w_o=w_o,
+            norm_w=norm_w, rstd=rstd,
         )
         ctx.lses = ctx.auxes = None
-        return dx, dw_q, dw_k, dw_v, dw_o, None, None, None
+        return dx, dw_q, dw_k, dw_v, dw_o, dw_norm, None, None, None

@@ -155,6 +155,9 @@ def build_llama(
         # The headwise CP ops rotate this rank's contiguous positions only: make just those angles ([s/C] rows, not
         # the [N] rows nor megatron's zigzag slice of them).
         model.rotary_pos_emb = RankRowsRotaryEmbedding(model.rotary_pos_emb, pg_collection.cp)
+        if layout.tp == 1 or layout.sequence_parallel:  # the op applies each layer's input norm itself
+            for layer in model.decoder.layers:
+                layer.self_attention.fuse_input_norm(layer.input_layernorm)
     if config.recompute_granularity == "full":
         from megatron_upipe.memory_stack.recompute_output import drop_recomputed_outputs
 

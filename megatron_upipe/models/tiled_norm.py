@@ -21,6 +21,26 @@ from megatron_upipe.models.norm import RMSNorm
 from megatron_upipe.models.seq_tiles import tile_bounds
 
 
+def rms_tile_rstd(x_t: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """out [T, b, 1] (float32) = 1 / rms(x_t) of a tile x_t [T, b, D]."""
+    torch.rsqrt(x_t.float().pow(2).mean(-1, keepdim=True) + eps, out=out)
+
+
+def rms_tile(x_t: torch.Tensor, weight: torch.Tensor, rstd_t: torch.Tensor, out: torch.Tensor | None = None):
+    """RMSNorm of a tile, given its rstd: weight * (x_t · rstd_t in float32, cast to x's dtype); [T, ..., D]."""
+    return torch.mul(weight, (x_t.float() * rstd_t).to(x_t.dtype), out=out)
+
+
+def rms_tile_backward(x_t, weight, rstd_t, dy_t, dw: torch.Tensor) -> torch.Tensor:
+    """d x_t [T, ..., D] (x's dtype) of `rms_tile` given its output gradient dy_t (x's dtype); adds the weight
+    gradient of the tile to dw (float32 [D])."""
+    xhat = x_t.float() * rstd_t  # [T, ..., D]
+    dw += (dy_t * xhat.to(x_t.dtype)).flatten(0, -2).sum(0, dtype=torch.float32)  # d weight of weight * y
+    g = (dy_t * weight).float()  # d xhat
+    mean = (g * xhat).mean(-1, keepdim=True)  # [T, ..., 1]
+    return g.sub_(xhat.mul_(mean)).mul_(rstd_t).to(x_t.dtype)  # r·(g - xhat·mean(g·xhat))
+
+
 class _TiledRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, chunks):
@@ -28,9 +48,8 @@ class _TiledRMSNorm(torch.autograd.Function):
         out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)  # [s_l, b, D]
         rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)  # [s_l, b, 1]
         for start, end in tile_bounds(x.shape[0], chunks):
-            x32 = x[start:end].float()  # [T, b, D]
-            torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[start:end])
-            torch.mul(weight, (x32 * rstd[start:end]).to(x.dtype), out=out[start:end])
+            rms_tile_rstd(x[start:end], eps, rstd[start:end])
+            rms_tile(x[start:end], weight, rstd[start:end], out=out[start:end])
         ctx.save_for_backward(x, weight, rstd)
         ctx.chunks = chunks
         return out
@@ -41,13 +60,7 @@ class _TiledRMSNorm(torch.autograd.Function):
         dx = torch.empty_like(x)  # [s_l, b, D]
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [D]
         for start, end in tile_bounds(x.shape[0], ctx.chunks):
-            r = rstd[start:end]  # [T, b, 1]
-            xhat = x[start:end].float() * r  # [T, b, D]
-            dy = dout[start:end]
-            dw += (dy * xhat.to(x.dtype)).sum((0, 1), dtype=torch.float32)  # d weight of weight * y
-            g = (dy * weight).float()  # [T, b, D], d xhat
-            mean = (g * xhat).mean(-1, keepdim=True)  # [T, b, 1]
-            dx[start:end] = g.sub_(xhat.mul_(mean)).mul_(r)  # r·(g - xhat·mean(g·xhat)), cast to x's dtype
+            dx[start:end] = rms_tile_backward(x[start:end], weight, rstd[start:end], dout[start:end], dw)
         return dx, dw.to(weight.dtype), None, None
 
 
@@ -64,4 +77,6 @@ class TiledRMSNorm(RMSNorm):
         self.chunks = chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
+        if self.deferred:  # applied by the consumer (see norm.RMSNorm)
+            return x
         return tiled_rms_norm(x, self.weight, self.eps, self.chunks)

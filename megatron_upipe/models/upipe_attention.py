@@ -13,9 +13,15 @@ would, all-reduce or reduce-scatter under sequence parallelism), so the backward
 [s/C, b, H·d/t] gradient of the attention output whole. Which op (UPipe with its U, or plain Ulysses) is chosen by the layer
 spec (`megatron_upipe.models.spec`), which binds it into the `cp_attention` parameter.
 
-RoPE: the op needs the angles of all N positions ([N, 1, 1, rot_dim], not sliced per CP rank) and applies this
-rank's contiguous slice (rank r holds tokens [r·N/C, (r+1)·N/C), see `megatron_upipe.cp_batch`). The model
-builder turns off the CP slicing of megatron's RotaryEmbedding for these specs.
+Input norm: `fuse_input_norm(layer.input_layernorm)` (done by the model builder when tp = 1 or under sequence
+parallelism) defers the layer's RMSNorm to the op, which regenerates RMSNorm(x) tile by tile and never holds it
+whole (one [s/C, b, D] tensor less through the attention backward). With tp > 1 and no sequence parallelism the
+norm stays in the layer: its weight gradient would be partial per TP rank, which megatron-core only reduces for
+sequence-parallel weights.
+
+RoPE: the op takes the angles of this rank's contiguous positions (rank r holds tokens [r·N/C, (r+1)·N/C), see
+`megatron_upipe.cp_batch`): the model builder replaces megatron's RotaryEmbedding by `RankRowsRotaryEmbedding`,
+which makes just those rows.
 """
 
 from __future__ import annotations
@@ -82,6 +88,19 @@ class HeadwiseCPSelfAttention(SelfAttention):
         )
         check_supported(config, self.world_size)
         self.cp_attention = cp_attention
+        self._input_norm: tuple = ()  # (RMSNorm,) when fused: a tuple, so not registered as a submodule
+
+    def fuse_input_norm(self, norm: torch.nn.Module) -> None:
+        """Apply the layer's input RMSNorm `norm` inside the op (see the module docstring); norm passes x through."""
+        from megatron_upipe.models.norm import RMSNorm
+
+        if not isinstance(norm, RMSNorm):
+            raise TypeError(f"only megatron_upipe RMSNorm can be fused into the attention op, not {type(norm).__name__}")
+        if self.world_size > 1 and not self.config.sequence_parallel:
+            raise ValueError("fusing the input norm with tp > 1 needs sequence_parallel=True (the norm weight's "
+                             "gradient is partial per TP rank); keep the norm in the layer")
+        norm.deferred = True
+        self._input_norm = (norm,)
 
     def forward(
         self,
@@ -121,10 +140,11 @@ class HeadwiseCPSelfAttention(SelfAttention):
         partial = self.cp_attention(
             x, w[:, :g], w[:, g], w[:, g + 1],  # w_q [G, g, d, D], w_k [G, d, D], w_v [G, d, D]
             cp_group=self.pg_collection.cp,
-            rotary_pos_emb=rotary_pos_emb,  # [N, 1, 1, rot_dim]
+            rotary_pos_emb=rotary_pos_emb,  # [s/C, 1, 1, rot_dim]: this rank's positions
             causal=True,
             softmax_scale=self.config.softmax_scale,
             w_o=self.linear_proj.weight,  # [D, G·g·d]: heads group-major, linear_proj's column order
+            **({"norm_w": self._input_norm[0].weight, "norm_eps": self._input_norm[0].eps} if self._input_norm else {}),
         )  # [s/C, b, D], partial sums over this TP rank's heads
         if self.config.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, group=tp_group)  # [s/(C·t), b, D]
