@@ -153,8 +153,8 @@ def upipe_attention(
     w_q [H·d, D], w_k, w_v [G·d, D]: natural head order (head i = rows i·d:(i+1)·d); query head i uses KV head
     i // (H / G). heads_per_stage: U summed over the C ranks (None: the smallest legal value; U = H is Ulysses).
     rotary_pos_emb [N, 1, 1, rot_dim]: angles of all N global positions (megatron-core RotaryEmbedding format),
-    of which each rank applies its own, or [s, 1, 1, rot_dim]: the angles of this rank's positions only. softmax_scale defaults to 1/sqrt(d). kernel: a name from
-    `kernels.KERNELS` or None for automatic choice.
+    of which each rank applies its own, or [s, 1, 1, rot_dim]: the angles of this rank's positions only.
+    softmax_scale defaults to 1/sqrt(d). kernel: a name from `kernels.KERNELS` or None for automatic choice.
     Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
     Differentiable with respect to x, w_q, w_k and w_v.
     """
