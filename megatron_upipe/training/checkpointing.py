@@ -1,12 +1,26 @@
-"""Checkpoints: megatron-core dist_checkpointing, written atomically, resumable into any parallel layout.
+"""Checkpoints: megatron-core dist_checkpointing (resumable into any parallel layout), or, for fully sharded model
+states, one file of local shards per rank (same layout only); both written atomically.
 
 Layout of `checkpoint.dir`:
-    iter_0000025/            one complete checkpoint (dist_checkpointing files + the two below)
-        train_state.json     step, consumed samples, model shape, tokenizer fingerprint, layout, config
+    iter_0000025/            one complete checkpoint (the format's files + the two below)
+        train_state.json     step, consumed samples, model shape, tokenizer fingerprint, layout, config, format
         rng/rank00000.pt     each rank's RNG states (torch, CUDA, megatron's tracker, python, numpy)
     latest                   the name of the newest complete checkpoint ("iter_0000025")
     iter_0000050.tmp/        a save in progress (or one killed mid-way: ignored, removed by the next save)
     iter_0000025.replaced/   only while step 25 is saved again over an older save of it (resume=false runs)
+
+Formats (train_state.json's "format"; a checkpoint without the field is "dist_checkpointing"):
+- "dist_checkpointing": megatron-core's dist_checkpointing files (torch_dist strategy) of the model, the optimizer
+  and the LR schedule. Weights and optimizer state are resharded on load, so such a checkpoint loads into another
+  TP/PP/CP/DP layout (the optimizer must be the non-distributed one, see optim.py).
+- "fsdp_per_rank" (memory.shard_model_states=true, Megatron-FSDP; dist_checkpointing refuses its optimizer, see
+  memory_stack/sharding.py): `fsdp/rank00000.pt` ... one torch.save file per rank holding exactly what that rank
+  owns: its slices of Megatron-FSDP's flat buffers (compute parameters, fp32 main parameters; gradients are not
+  state between steps), the local parts of Adam's exp_avg / exp_avg_sq and its step counts keyed by parameter name
+  (a parameter whose local slice is empty has no Adam state on that rank), the optimizer's hyper-parameter groups
+  and the LR schedule. Nothing is gathered or resharded: it loads only into the same tp/pp/cp/dp layout (same world
+  size, same model and precision, hence the same buffer slicing), which is checked before any tensor is read; there
+  is no conversion to another layout or to dist_checkpointing.
 
 Atomic save: all ranks write into `iter_XXXXXXX.tmp`; after a barrier (every rank finished), rank 0 writes
 train_state.json, renames the directory to `iter_XXXXXXX` and then replaces `latest` (write-temp, fsync,
@@ -15,8 +29,8 @@ prunes the oldest complete checkpoints (never the one `latest` names).
 
 Resume: `find_checkpoint(path)` accepts a checkpoint directory or a run directory holding `latest`. Before loading
 any tensor, the saved model shape and tokenizer are compared with the run's, and a mismatch is refused with a
-message naming each differing field. Weights and optimizer state are resharded by dist_checkpointing, so a
-checkpoint loads into another TP/PP/CP/DP layout (the optimizer must be the non-distributed one, see optim.py).
+message naming each differing field; so are a checkpoint of the other format (dist_checkpointing into a fully
+sharded run or the reverse) and, for "fsdp_per_rank", a different tp/pp/cp/dp layout.
 megatron-core's writer (torch_dist strategy) starts a multiprocessing Manager (spawn) in every rank that writes
 shards, on its first save: the entry script needs its `if __name__ == "__main__"` guard, and a SIGKILLed rank leaves
 that Manager orphaned (a batch scheduler's job clean-up removes it; on a workstation kill it by hand).
@@ -41,6 +55,11 @@ import torch.distributed as dist
 
 META = "train_state.json"
 LATEST = "latest"
+FORMAT_DIST = "dist_checkpointing"  # also what a checkpoint without a "format" field is
+FORMAT_FSDP = "fsdp_per_rank"
+FSDP_DIR = "fsdp"
+_FSDP_LAYOUT = ("tp", "pp", "cp", "dp")  # what fixes Megatron-FSDP's buffer slicing (with the model and precision)
+_FSDP_BUFFERS = ("model_weight_buffer", "main_weight_buffer", "transpose_weight_buffer")
 _ITER = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -121,6 +140,229 @@ def _set_rng_state(s: dict) -> None:
     np.random.set_state(s["numpy"])
 
 
+def checkpoint_format(state) -> str:
+    """FORMAT_FSDP for a run whose model states Megatron-FSDP shards (memory.shard_model_states), else FORMAT_DIST."""
+    ddp_config = getattr(state.ddp, "ddp_config", None)
+    if state.config.memory.shard_model_states or getattr(ddp_config, "use_megatron_fsdp", False):
+        return FORMAT_FSDP
+    return FORMAT_DIST
+
+
+def check_format(meta: dict, state, ckpt: Path) -> None:
+    """Refuse a checkpoint of the other format, or a per-rank FSDP checkpoint saved in another tp/pp/cp/dp layout
+    (both read from train_state.json, before any tensor)."""
+    saved, current = meta.get("format", FORMAT_DIST), checkpoint_format(state)
+    layout = dataclasses.asdict(state.groups.layout)
+    if saved not in (FORMAT_DIST, FORMAT_FSDP):
+        raise CheckpointError(f"checkpoint {ckpt} has an unknown format {saved!r} (this version reads "
+                              f"{FORMAT_DIST!r} and {FORMAT_FSDP!r}); refusing to load it")
+    if saved != current:
+        if saved == FORMAT_DIST:
+            raise CheckpointError(
+                f"checkpoint {ckpt} was saved in the {FORMAT_DIST!r} format (a run with memory.shard_model_states="
+                f"false), but this run fully shards its model states (memory.shard_model_states=true), which loads "
+                f"only its own per-rank format {FORMAT_FSDP!r}; refusing to load it: resume with "
+                f"memory.shard_model_states=false (any tp/pp/cp/dp), or start the sharded run from scratch")
+        saved_layout = meta.get("layout", {})
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved in the per-rank format {FORMAT_FSDP!r} of a run with "
+            f"memory.shard_model_states=true, which loads only into such a run in the same layout; this run has "
+            f"memory.shard_model_states=false; refusing to load it: resume with memory.shard_model_states=true and "
+            f"{_layout_words(saved_layout)}")
+    if saved == FORMAT_FSDP:
+        saved_layout = meta.get("layout", {})
+        diffs = [f"parallel.{k}: checkpoint {saved_layout.get(k)!r} != run {layout[k]!r}"
+                 for k in _FSDP_LAYOUT if saved_layout.get(k) != layout[k]]
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {ckpt} is in the per-rank format {FORMAT_FSDP!r} of fully sharded model states, which "
+                f"loads only into the tp/pp/cp/dp layout it was saved in; refusing to load it:\n- "
+                + "\n- ".join(diffs) + f"\nResume with the same tp/pp/cp/dp ({_layout_words(saved_layout)}), or "
+                f"start the new layout from scratch (a per-rank checkpoint is not resharded)")
+
+
+def _layout_words(layout: dict) -> str:
+    words = " ".join(f"parallel.{k}={layout.get(k)}" for k in _FSDP_LAYOUT)
+    sizes = [layout.get(k) for k in _FSDP_LAYOUT]
+    if all(isinstance(v, int) for v in sizes):
+        words += f" (world size {int(np.prod(sizes))})"
+    return words
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _portable(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached on the CPU, as a tensor that owns its storage (torch.save writes a view's whole storage)."""
+    t = t.detach().cpu()
+    if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def _simple(v) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(map(_simple, v))
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _fsdp_parts(state):
+    """(Megatron-FSDP's param_and_grad_buffer, {id(optimizer parameter): name})."""
+    pgb = getattr(state.ddp, "param_and_grad_buffer", None)
+    if pgb is None:
+        raise CheckpointError(f"memory.shard_model_states=true but the wrapped model ({type(state.ddp).__name__}) "
+                              f"is not Megatron-FSDP's")
+    return pgb, {id(p): name for name, p in pgb.optimizer_named_parameters}
+
+
+def _fsdp_rank_state(state) -> dict:
+    """What this rank owns under Megatron-FSDP, as local CPU tensors (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    pgb, names = _fsdp_parts(state)
+    buffers = []
+    for group in pgb.parameter_groups:
+        bufs = {}
+        for attr in _FSDP_BUFFERS:
+            buf = getattr(group, attr, None)
+            if buf is not None and getattr(buf, "data", None) is not None:
+                bufs[attr] = _portable(buf.data)
+        buffers.append(bufs)
+    optimizers = []
+    for opt in _optimizers(state.optimizer):
+        inner = opt.optimizer
+        groups, adam = [], {}
+        for group in inner.param_groups:
+            params = [names[id(p)] for p in group["params"]]
+            groups.append({"params": params, **{k: v for k, v in group.items() if k != "params" and _simple(v)}})
+            for name, p in zip(params, group["params"]):
+                if inner.state.get(p):
+                    adam[name] = {
+                        k: ((("dtensor" if isinstance(v, DTensor) else "cpu" if v.device.type == "cpu" else
+                              "device"), _portable(_local(v))) if torch.is_tensor(v) else ("value", v))
+                        for k, v in inner.state[p].items()}
+        scaler = getattr(opt, "grad_scaler", None)
+        optimizers.append({"param_groups": groups, "state": adam,
+                           "grad_scaler": scaler.state_dict() if scaler is not None else None})
+    return {"format": FORMAT_FSDP, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "buffers": buffers, "optimizers": optimizers, "scheduler": state.scheduler.state_dict()}
+
+
+def _save_file(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsdp_plan_load(state, saved: dict) -> tuple[list, list[str]]:
+    """Match this rank's saved shards with the run's tensors: (copy actions, problems). Reads nothing into the run."""
+    pgb, names = _fsdp_parts(state)
+    problems, actions = [], []
+    if (saved.get("rank"), saved.get("world_size")) != (dist.get_rank(), dist.get_world_size()):
+        problems.append(f"the file is rank {saved.get('rank')} of {saved.get('world_size')}, this is rank "
+                        f"{dist.get_rank()} of {dist.get_world_size()}")
+
+    def match(what, have: torch.Tensor, got: torch.Tensor) -> bool:
+        if tuple(have.shape) != tuple(got.shape) or have.dtype != got.dtype:
+            problems.append(f"{what}: checkpoint {tuple(got.shape)} {got.dtype} != run {tuple(have.shape)} "
+                            f"{have.dtype}")
+            return False
+        return True
+
+    groups = pgb.parameter_groups
+    if len(saved["buffers"]) != len(groups):
+        problems.append(f"{len(saved['buffers'])} Megatron-FSDP parameter groups in the checkpoint, {len(groups)} "
+                        f"in the run")
+    else:
+        for i, (group, bufs) in enumerate(zip(groups, saved["buffers"])):
+            have = {a for a in _FSDP_BUFFERS if getattr(group, a, None) is not None
+                    and getattr(getattr(group, a), "data", None) is not None}
+            if have != set(bufs):
+                problems.append(f"parameter group {i}: buffers {sorted(bufs)} in the checkpoint, {sorted(have)} in "
+                                f"the run")
+                continue
+            for attr, t in bufs.items():
+                data = getattr(group, attr).data
+                if match(f"parameter group {i} {attr}", data, t):
+                    actions.append(("copy", data, t))
+    opts = _optimizers(state.optimizer)
+    if len(saved["optimizers"]) != len(opts):
+        problems.append(f"{len(saved['optimizers'])} optimizers in the checkpoint, {len(opts)} in the run")
+        return actions, problems
+    for opt, s in zip(opts, saved["optimizers"]):
+        inner = opt.optimizer
+        if [[names.get(id(p)) for p in g["params"]] for g in inner.param_groups] != \
+                [g["params"] for g in s["param_groups"]]:
+            problems.append("the optimizer's parameter groups differ (names or order)")
+            continue
+        for group, g in zip(inner.param_groups, s["param_groups"]):
+            actions.append(("group", group, {k: v for k, v in g.items() if k != "params"}))
+        by_name = {names[id(p)]: p for g in inner.param_groups for p in g["params"]}
+        for name, entries in s["state"].items():
+            p = by_name[name]
+            new = {}
+            for key, (kind, value) in entries.items():
+                if kind == "dtensor":
+                    t = torch.zeros_like(p)  # a DTensor laid out like the parameter, as Adam makes its moments
+                    if match(f"Adam {key} of {name}", _local(t), value):
+                        new[key] = (t, value)
+                elif kind == "value":
+                    new[key] = (None, value)
+                else:
+                    new[key] = (None, value.to(_local(p).device) if kind == "device" else value.clone())
+            actions.append(("adam", inner, p, new))
+        actions.append(("scaler", opt, s["grad_scaler"]))
+    return actions, problems
+
+
+@torch.no_grad()
+def _load_fsdp(state, ckpt: Path) -> None:
+    """Load this rank's file of a per-rank FSDP checkpoint (layout already checked); every rank calls it."""
+    rank = dist.get_rank()
+    path = ckpt / FSDP_DIR / f"rank{rank:05d}.pt"
+    if path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        actions, problems = _fsdp_plan_load(state, saved)
+    else:
+        saved, actions, problems = None, [], [f"{path} is missing"]
+    bad = torch.tensor([len(problems)], dtype=torch.int64, device=state.groups.device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank reaches the same verdict before any copy
+    if bad.item():
+        raise CheckpointError(f"checkpoint {ckpt} ({FORMAT_FSDP}) does not fit this run's fully sharded states; "
+                              f"refusing to load it:\n- " + ("\n- ".join(problems) if problems else
+                                                              "another rank's shards differ (see its message)"))
+    for action in actions:
+        if action[0] == "copy":
+            action[1].copy_(action[2])
+        elif action[0] == "group":
+            action[1].update(action[2])
+        elif action[0] == "adam":
+            _, inner, p, new = action
+            st = {}
+            for key, (t, value) in new.items():
+                if t is not None:
+                    _local(t).copy_(value)
+                    value = t
+                st[key] = value
+            inner.state[p] = st
+        elif action[0] == "scaler" and action[2] is not None:
+            action[1].grad_scaler.load_state_dict(action[2])
+    # A parameter bucket still gathered from the old weights would be used as is by the next forward: release it.
+    pipeline = getattr(getattr(state.ddp, "module", None), "all_gather_pipeline", None)
+    if pipeline is not None and any(s.name in ("READY_TO_USE", "COMMUNICATING")
+                                    for s in pipeline.bucket_status.values()):
+        pipeline.reset()
+    state.scheduler.load_state_dict(saved["scheduler"])
+
+
 def _sharded_state_dict(state, is_loading: bool) -> dict:
     model_sd = state.model.sharded_state_dict()
     return {"model": model_sd, "optimizer": state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -130,9 +372,8 @@ def _sharded_state_dict(state, is_loading: bool) -> dict:
 def save_checkpoint(state, root: str | Path, keep_last: int | None = None, before_publish=None) -> Path:
     """Save `state` (a TrainState) as `root/iter_<step>`; every rank calls it. Returns the checkpoint path.
     `before_publish(tmp_dir)` runs on rank 0 after all shards are written and before the rename (tests)."""
-    from megatron.core import dist_checkpointing
-
     root, rank = Path(root), dist.get_rank()
+    fmt = checkpoint_format(state)
     name = checkpoint_name(state.step)
     tmp, final = root / (name + ".tmp"), root / name
     if rank == 0:
@@ -145,12 +386,18 @@ def save_checkpoint(state, root: str | Path, keep_last: int | None = None, befor
                 shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(tmp))
+    if fmt == FORMAT_FSDP:  # each rank its own shards, nothing collective
+        (tmp / FSDP_DIR).mkdir(exist_ok=True)
+        _save_file(_fsdp_rank_state(state), tmp / FSDP_DIR / f"rank{rank:05d}.pt")
+    else:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
     dist.barrier()  # every rank's shards and RNG file are on disk
     if rank == 0:
-        (tmp / META).write_text(json.dumps(state.meta(), indent=2))
+        (tmp / META).write_text(json.dumps({**state.meta(), "format": fmt}, indent=2))
         if before_publish is not None:
             before_publish(tmp)
         replaced = None
@@ -183,14 +430,18 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 def load_checkpoint(state, ckpt: Path) -> dict:
     """Load `ckpt` into `state` (model, optimizer, schedule, RNG if same layout); returns its metadata."""
-    from megatron.core import dist_checkpointing
-
     meta = read_meta(ckpt)
     check_compatible(meta, state.meta(), ckpt)
-    loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True), str(ckpt))
-    state.model.load_state_dict(loaded["model"], strict=True)
-    state.optimizer.load_state_dict(loaded["optimizer"])
-    state.scheduler.load_state_dict(loaded["scheduler"])
+    check_format(meta, state, ckpt)
+    if checkpoint_format(state) == FORMAT_FSDP:
+        _load_fsdp(state, ckpt)
+    else:
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True), str(ckpt))
+        state.model.load_state_dict(loaded["model"], strict=True)
+        state.optimizer.load_state_dict(loaded["optimizer"])
+        state.scheduler.load_state_dict(loaded["scheduler"])
     rng_file = ckpt / "rng" / f"rank{dist.get_rank():05d}.pt"
     if meta["layout"] == dataclasses.asdict(state.groups.layout) and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
