@@ -170,7 +170,6 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
     (["memory.offload_checkpoints=true"], 2, "memory.offload_checkpoints=true offloads the layer inputs that full"),
     (["memory.shard_model_states=true", "parallel.cp=1", "parallel.pp=2", "train.global_batch_size=2"], 2,
      "memory.shard_model_states=true is not combined with parallel.pp=2"),
-    (["memory.shard_model_states=true"], 2, "memory.shard_model_states=true cannot save or load checkpoints yet"),
 ]
 
 

@@ -267,7 +267,7 @@ class MemoryConfig:
     attention_grad_accum: Literal["fp32", "input"] = "fp32"
     # ZeRO-3: parameters, fp32 main parameters, gradients and Adam states sharded over the dp x cp ranks
     # (Megatron-FSDP; layers all-gathered just in time). Implies the sharded optimizer (train.distributed_optimizer
-    # need not be set).
+    # need not be set). Checkpoints are then saved per rank ("fsdp_per_rank") and resume only in the same tp/pp/cp/dp.
     shard_model_states: bool = False
     # Log the memory planner's predicted peak beside the measured one: rank 0 runs tools/estimate_memory.py on the
     # resolved config at start-up (seconds on CPU, about a minute for an 8B model) and the run measures its second

@@ -189,13 +189,8 @@ def validate(config: Config, world_size: int) -> Plan:
                           f"parallel.pp=1 or memory.shard_model_states=false")
         if dp and dp * p.cp == 1:
             warnings.append("memory.shard_model_states=true with dp·cp = 1: there is nothing to shard over")
-        c = config.checkpoint
-        if c.dir is not None or c.load is not None:
-            # megatron-core's dist_checkpointing refuses Megatron-FSDP's optimizer ("sharding_type
-            # fully_sharded_model_space is not supported with Megatron FSDP"); its fsdp_dtensor format is not wired.
-            errors.append("memory.shard_model_states=true cannot save or load checkpoints yet (Megatron-FSDP needs "
-                          "the fsdp_dtensor checkpoint format): set checkpoint.dir=null and checkpoint.load=null, or "
-                          "memory.shard_model_states=false")
+        # Checkpoints are saved per rank ("fsdp_per_rank", training/checkpointing.py) and load only into the same
+        # tp/pp/cp/dp layout: checked when a checkpoint is loaded, against the layout it recorded.
 
     # checkpoints and logging
     if config.checkpoint.interval > t.steps:
