@@ -18,11 +18,15 @@ ReduceOp.PREMUL_SUM with Gloo"); it is also what megatron-core's optimizer and c
 Shapes: buffers are flat; parameters become DTensors whose local part is this rank's slice of the flat buffer
 (uneven: a small tensor may live entirely on one rank). Pipeline parallelism is not combined with it here (untested).
 
-Checkpoints are not wired (the config refuses checkpoint.dir/load with it): megatron-core's dist_checkpointing
-refuses this optimizer ("NotImplementedError: sharding_type fully_sharded_model_space is not supported with
-Megatron FSDP"); its "fsdp_dtensor" format goes through torch.distributed.checkpoint and needs Megatron-LM's
-preprocessing of uneven DTensors, and ranks hold different optimizer-state keys (a parameter whose local shard is
-empty gets no Adam state), which a naive torch DCP save does not survive (it hung on gloo).
+Checkpoints: megatron-core's dist_checkpointing refuses this optimizer ("NotImplementedError: sharding_type
+fully_sharded_model_space is not supported with Megatron FSDP"); its "fsdp_dtensor" format goes through
+torch.distributed.checkpoint and needs Megatron-LM's preprocessing of uneven DTensors, and ranks hold different
+optimizer-state keys (a parameter whose local shard is empty gets no Adam state), which a naive torch DCP save does
+not survive (it hung on gloo). So training/checkpointing.py saves these runs in its own "fsdp_per_rank" format:
+each rank torch.saves, with no collective, what it owns (its slices of the compute and fp32 main parameter buffers,
+the local parts of Adam's moments and its step counts by parameter name, the LR schedule). Exact resume, but only
+into the same tp/pp/cp/dp layout (checked against the checkpoint's recorded layout before any tensor is read); a
+checkpoint is neither resharded nor converted to or from dist_checkpointing.
 """
 
 from __future__ import annotations
