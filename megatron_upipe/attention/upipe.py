@@ -91,10 +91,11 @@ class _Rows:
         return out
 
     def t_mm(self, g: torch.Tensor) -> torch.Tensor:
-        """g^T @ rows: [s·b, R]^T @ [s·b, D] -> [R, D] (tiles summed in float32 for 16-bit, then cast)."""
+        """g^T @ rows: [s·b, R]^T @ [s·b, D] -> [R, D] (each tile's product in g's dtype, summed in float32 for
+        16-bit inputs, then cast)."""
         if self.norm_w is None:
             return torch.mm(g.t(), self.x2)
-        acc = torch.zeros((g.shape[1], self.x2.shape[1]), dtype=torch.float32, device=g.device)
+        acc = torch.zeros((g.shape[1], self.x2.shape[1]), dtype=_acc_dtype(g.dtype, True), device=g.device)
         for a, z in self.tiles:
             acc += torch.mm(g[a:z].t(), self.tile(a, z))
         return acc.to(g.dtype)
@@ -307,7 +308,7 @@ def _norm_backward(dxn: torch.Tensor, xin: _Rows, dtype):
 
     x2 = xin.x2
     dx = dxn if dxn.dtype == dtype else torch.empty(x2.shape, dtype=dtype, device=x2.device)  # [s·b, D]
-    dw = torch.zeros(xin.norm_w.shape, dtype=torch.float32, device=x2.device)  # [D]
+    dw = torch.zeros(xin.norm_w.shape, dtype=_acc_dtype(dtype, True), device=x2.device)  # [D]
     for a, z in xin.tiles:
         dx[a:z] = rms_tile_backward(x2[a:z], xin.norm_w, xin.rstd[a:z], dxn[a:z].to(dtype), dw)
     return dx, dw.to(xin.norm_w.dtype)

@@ -33,9 +33,9 @@ def rms_tile(x_t: torch.Tensor, weight: torch.Tensor, rstd_t: torch.Tensor, out:
 
 def rms_tile_backward(x_t, weight, rstd_t, dy_t, dw: torch.Tensor) -> torch.Tensor:
     """d x_t [T, ..., D] (x's dtype) of `rms_tile` given its output gradient dy_t (x's dtype); adds the weight
-    gradient of the tile to dw (float32 [D])."""
+    gradient of the tile to dw ([D]: float32, or float64 for float64 inputs)."""
     xhat = x_t.float() * rstd_t  # [T, ..., D]
-    dw += (dy_t * xhat.to(x_t.dtype)).flatten(0, -2).sum(0, dtype=torch.float32)  # d weight of weight * y
+    dw += (dy_t * xhat.to(x_t.dtype)).flatten(0, -2).sum(0, dtype=dw.dtype)  # d weight of weight * y
     g = (dy_t * weight).float()  # d xhat
     mean = (g * xhat).mean(-1, keepdim=True)  # [T, ..., 1]
     return g.sub_(xhat.mul_(mean)).mul_(rstd_t).to(x_t.dtype)  # r·(g - xhat·mean(g·xhat))
@@ -58,7 +58,8 @@ class _TiledRMSNorm(torch.autograd.Function):
     def backward(ctx, dout):
         x, weight, rstd = ctx.saved_tensors
         dx = torch.empty_like(x)  # [s_l, b, D]
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [D]
+        dw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                         device=weight.device)  # [D]
         for start, end in tile_bounds(x.shape[0], ctx.chunks):
             dx[start:end] = rms_tile_backward(x[start:end], weight, rstd[start:end], dout[start:end], dw)
         return dx, dw.to(weight.dtype), None, None
