@@ -112,3 +112,38 @@ def test_training_log_puts_the_planner_prediction_beside_the_measured_peak(tmp_p
     assert record["step"] == 2 and record["measured_kind"] == "tracked"
     assert record["measured_peak_bytes"] > 0
     assert abs(record["rel_diff"]) < 0.01, record
+
+
+CURVES = {  # peak GiB as a function of the length in 128K steps: linear, convex, kinked, flat, hopeless, jumping
+    "linear": lambda k: 24 + 0.9 * k,
+    "convex": lambda k: 24 + 0.9 * k + 0.004 * k * k,
+    "kinked": lambda k: 24 + 0.9 * k + (0 if k < 40 else 0.5 * (k - 40)),
+    "flat": lambda k: 30 + 0.1 * k,
+    "hopeless": lambda k: 90 + k,
+    "jump": lambda k: 24 + 0.9 * k + (3 if k > 50 else 0),
+}
+
+
+@pytest.mark.parametrize("curve", sorted(CURVES))
+@pytest.mark.parametrize("gpu_gib", [24.95, 40, 80, 200])
+def test_max_context_search_equals_brute_force(monkeypatch, curve, gpu_gib):
+    """The search (aim, gallop, false position) returns the longest fitting multiple of 128K, proven by
+    simulations on both sides, on any increasing peak curve; a handful of simulations, never one twice."""
+    from megatron_upipe.planner import estimate as E
+
+    f, calls, top = CURVES[curve], [], 512
+
+    def fake_estimate(source, world, vocab, strategy, seq, gpu_mem, margins):
+        k = seq // E.CONTEXT_STEP
+        calls.append(k)
+        peak = int(f(k) * E.GIB)
+        return E.Estimate(strategy, seq, peak, peak <= gpu_mem, {}, 0, gpu_mem)
+
+    monkeypatch.setattr(E, "estimate", fake_estimate)
+    tokens, seen = E.max_context(None, 8, VOCAB, "upipe", int(gpu_gib * E.GIB), limit=top * E.CONTEXT_STEP,
+                                 log=lambda *a: None)
+    best = max((k for k in range(1, top + 1) if f(k) <= gpu_gib), default=0)
+    assert tokens == best * E.CONTEXT_STEP
+    assert len(calls) == len(set(calls)) <= 8
+    if 0 < best < top:
+        assert {best, best + 1} <= set(calls)  # both sides simulated
