@@ -4,10 +4,16 @@
 free localhost port in each, calls `fn(rank, world_size, *args)` and returns the list of per-rank return values
 (they must be picklable). An exception on any rank is re-raised in the parent with that rank's traceback; a rank
 that hangs past `timeout_s` fails the test instead of hanging CI.
+
+Results travel as bytes (torch.save in the rank, torch.load in the parent): a tensor put on a torch
+multiprocessing queue as is travels as a shared-memory handle that the parent can only open while the sending
+rank is still alive, so a rank that exits before a slow (loaded) parent reads its result would otherwise fail
+with "FileNotFoundError: No such file or directory".
 """
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -34,12 +40,20 @@ def _worker(fn, rank, world_size, port, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _load(payload: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
@@ -55,7 +69,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
         for _ in range(world_size):
             rank, ok, payload = queue.get(timeout=timeout_s)
             if ok:
-                results[rank] = payload
+                results[rank] = _load(payload)
             else:
                 failures.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks may now be blocked in a collective
