@@ -68,13 +68,18 @@ def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
     return torch.float32 if fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _row_tiles(n: int, rows: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of `rows` rows (the last one shorter) covering n rows."""
+    return [(a, min(n, a + rows)) for a in range(0, n, rows)]
+
+
 class _Rows:
     """The op's input rows [s·b, D]: x itself, or RMSNorm(x) regenerated tile by tile (never whole)."""
 
     def __init__(self, x2: torch.Tensor, norm_w=None, rstd=None, tile_rows: int = 0) -> None:
         self.x2, self.norm_w, self.rstd = x2, norm_w, rstd  # x2 [s·b, D], rstd [s·b, 1] float32
         n = x2.shape[0]
-        self.tiles = [(0, n)] if norm_w is None else [(i, min(n, i + tile_rows)) for i in range(0, n, tile_rows)]
+        self.tiles = [(0, n)] if norm_w is None else _row_tiles(n, tile_rows)
 
     def tile(self, a: int, z: int) -> torch.Tensor:  # [z-a, D]
         from megatron_upipe.models.tiled_norm import rms_tile
@@ -165,8 +170,7 @@ def _norm_rstd(x2: torch.Tensor, op: StageOp) -> torch.Tensor:
     from megatron_upipe.models.tiled_norm import rms_tile_rstd
 
     rstd = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device)
-    for a in range(0, x2.shape[0], op.norm_tile_rows):
-        z = min(x2.shape[0], a + op.norm_tile_rows)
+    for a, z in _row_tiles(x2.shape[0], op.norm_tile_rows):
         rms_tile_rstd(x2[a:z], op.norm_eps, rstd[a:z])
     return rstd
 
