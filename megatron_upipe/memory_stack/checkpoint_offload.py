@@ -26,6 +26,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from megatron_upipe.memory_stack.offload import HostOffloader
+from megatron_upipe.memory_stack.recompute_output import require_per_layer_recompute
 
 
 class CheckpointOffload:
@@ -33,13 +34,7 @@ class CheckpointOffload:
 
     def __init__(self, block: torch.nn.Module, offloader: HostOffloader) -> None:
         config = block.config
-        if config.recompute_granularity != "full" or config.recompute_method != "uniform" \
-                or config.recompute_num_layers != 1:
-            raise ValueError(
-                "offloading checkpointed layer inputs needs megatron-core's full recompute of every layer "
-                "(recompute_granularity='full', recompute_method='uniform', recompute_num_layers=1); got "
-                f"{config.recompute_granularity!r}, {config.recompute_method!r}, {config.recompute_num_layers!r}"
-            )
+        require_per_layer_recompute(config, "offloading checkpointed layer inputs")
         if getattr(config, "distribute_saved_activations", False):
             raise ValueError("distribute_saved_activations replaces the saved input's data: not combinable with "
                              "offload")

@@ -43,16 +43,22 @@ def _drop_output(layer, args, output):
     return None
 
 
+def require_per_layer_recompute(config, what: str) -> None:
+    """ValueError naming `what` unless `config` (a TransformerConfig) runs megatron-core's full recompute with one
+    layer per checkpoint, the one setting the memory_stack hooks are written for."""
+    if config.recompute_granularity != "full" or config.recompute_method != "uniform" \
+            or config.recompute_num_layers != 1:
+        raise ValueError(
+            f"{what} needs megatron-core's full recompute of one layer per checkpoint "
+            "(recompute_granularity='full', recompute_method='uniform', recompute_num_layers=1); got "
+            f"{config.recompute_granularity!r}, {config.recompute_method!r}, {config.recompute_num_layers!r}")
+
+
 def drop_recomputed_outputs(model: torch.nn.Module, config) -> list:
     """Install the hook on every TransformerLayer of `model` (TransformerConfig `config`); returns the handles.
 
     Needs one layer per checkpoint (recompute_method='uniform', recompute_num_layers=1): inside a chunk of several
     layers an output is the next layer's input, whose values are read."""
-    if config.recompute_granularity != "full" or config.recompute_method != "uniform" \
-            or config.recompute_num_layers != 1:
-        raise ValueError(
-            "dropping recomputed layer outputs needs full recompute of one layer per checkpoint "
-            "(recompute_granularity='full', recompute_method='uniform', recompute_num_layers=1); got "
-            f"{config.recompute_granularity!r}, {config.recompute_method!r}, {config.recompute_num_layers!r}")
+    require_per_layer_recompute(config, "dropping recomputed layer outputs")
     return [m.register_forward_hook(_drop_output) for m in model.modules()
             if type(m).__name__ == "TransformerLayer"]
