@@ -152,7 +152,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
                  named_bytes: int = 0) -> StepMemory:
     """Build this rank's stage as the training job does and track one step (on real or fake tensors alike)."""
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
-    from megatron_upipe.training import loop
+    from megatron_upipe.step import forward_backward
     from megatron_upipe.training.optim import build_optimizer, wrap_model
 
     zero3 = planning and config.memory.shard_model_states
@@ -176,7 +176,8 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
         batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(s).expand(b, s),
                  "loss_mask": torch.ones(b, s)}
         with _uncoalesced_grad_collectives() if planning else nullcontext():
-            loop._forward_backward(_SimState(plan, ddp), iter([batch] * plan.num_microbatches), forward_only=False)
+            forward_backward(ddp, iter([batch] * plan.num_microbatches), num_microbatches=plan.num_microbatches,
+                             seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size, forward_only=False)
         for h in handles:
             h.remove()
         del moments
@@ -310,12 +311,6 @@ def _uncoalesced_grad_collectives():
         yield
     finally:
         pgb._coalescing_manager = original
-
-
-@dataclass
-class _SimState:
-    plan: object
-    ddp: object
 
 
 def _memory_kwargs(config: Config) -> dict:

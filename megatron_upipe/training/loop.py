@@ -1,9 +1,8 @@
 """Training and evaluation steps on megatron-core's pipeline schedules, and the loop with its side duties.
 
-Legend: b micro-batch size, s sequence length, C context-parallel size. The forward step feeds one micro-batch
-([b, s/C] per rank after the CP split) to the model, which returns the per-token loss [b, s/C]; the loss function
-returns (sum, token count, report), so megatron's schedule divides by the count and by the number of micro-batches
-and DDP averages over dp x cp: the gradient of the global per-token mean when micro-batches hold equal numbers of
+The forward/backward pass itself is megatron_upipe/step.py (shared with the memory planner): megatron's schedule
+divides each micro-batch's loss sum by its token count and by the number of micro-batches, and DDP averages over
+dp x cp: the gradient of the global per-token mean when micro-batches hold equal numbers of
 unmasked tokens (the shipped data: no loss mask); with a mask that zeroes tokens (mock data's padding) each
 micro-batch's mean weighs the same. The reported loss is always the exact per-token mean over the global batch.
 
@@ -15,29 +14,19 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from megatron_upipe.config import to_yaml
+from megatron_upipe.step import forward_backward, forward_step
 from megatron_upipe.training import checkpointing, memory_check
 from megatron_upipe.training.failures import as_distributed_failure, check_step
 from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step_record
 from megatron_upipe.training.optim import current_lr
 
 
-def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    mask = loss_mask.float()  # [b, s/C]
-    total = (per_token_loss.float() * mask).sum()
-    count = mask.sum()
-    return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count.detach()])}
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s/C] per-token loss
-    return out, partial(_loss_func, batch["loss_mask"])
+_forward_step = forward_step  # looked up at call time (tests poison it to inject a non-finite loss)
 
 
 def _global_loss(reports: list[dict], pg, device: torch.device) -> tuple[float, int]:
@@ -53,14 +42,10 @@ def _global_loss(reports: list[dict], pg, device: torch.device) -> tuple[float, 
 
 
 def _forward_backward(state, data_iterator, forward_only: bool) -> list[dict]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     p = state.plan
-    return get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=data_iterator, model=[state.ddp],
-        num_microbatches=p.num_microbatches, seq_length=p.seq_length, micro_batch_size=p.micro_batch_size,
-        forward_only=forward_only,
-    )
+    return forward_backward(state.ddp, data_iterator, num_microbatches=p.num_microbatches,
+                            seq_length=p.seq_length, micro_batch_size=p.micro_batch_size,
+                            forward_only=forward_only, forward_step_func=_forward_step)
 
 
 def train_step(state, data_iterator, around_forward_backward=None) -> dict:
