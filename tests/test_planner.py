@@ -76,7 +76,7 @@ def test_estimate_memory_cli_max_context_json_and_plot(tmp_path):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     proc = subprocess.run(
         [sys.executable, "tools/estimate_memory.py", "--config", "examples/configs/tiny_cpu.yaml",
-         "--world-size", "2", "--gpu-mem-gib", "2.75", "--strategies", "ulysses,upipe", "--max-context",
+         "--world-size", "2", "--gpu", "2.75", "--strategies", "ulysses,upipe", "--max-context",
          "--max-tokens", str(4 * 1024 * 1024), "--cuda-context-gib", "0", "--nccl-gib", "0",
          "--json", str(out), "--plot", str(png), "model.vocab_size=256", "train.micro_batch_size=1",
          "train.global_batch_size=1"],

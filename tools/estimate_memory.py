@@ -2,7 +2,7 @@
 """Memory planner: per-GPU peak of a training config at full scale, on a CPU machine, without allocating it.
 
     python tools/estimate_memory.py --config examples/configs/llama3_8b_upipe_8xh100.yaml [section.key=value ...]
-        [--world-size 8] [--gpu-mem-gib 80] [--strategies none,ulysses,upipe,upipe:16] [--max-context]
+        [--world-size 8] [--gpu h100-80gb|h200|...|GiB] [--strategies none,ulysses,upipe,upipe:16] [--max-context]
         [--json OUT.json] [--plot OUT.png]
 
 Runs rank 0's real model code (build, DDP, optimizer states, one forward/backward step) under fake tensors and a
@@ -15,6 +15,7 @@ Library code: megatron_upipe/planner/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
@@ -22,8 +23,11 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_upipe.config import ConfigError, validate  # noqa: E402
+from megatron_upipe.planner.devices import (  # noqa: E402
+    DEFAULT_GPU, GIB, GPUS, NCCL_TOPOLOGIES, margins_for, resolve_gpu,
+)
 from megatron_upipe.planner.estimate import (  # noqa: E402
-    GIB, ConfigSource, Margins, estimate, format_breakdown, format_named, max_context, plot, write_json,
+    ConfigSource, estimate, format_breakdown, format_named, max_context, plot, write_json,
 )
 
 
@@ -39,20 +43,35 @@ def _vocab_size(config, plan) -> int:
     raise ConfigError("the vocabulary size is unknown: set model.vocab_size or data.tokenizer")
 
 
+def _margins(a, gpu_model, world: int):
+    """The GPU's margins for this job's topology, with any given on the command line in their place."""
+    m = margins_for(gpu_model, world, a.nccl_topology)
+    given = {k: v for k, v in (("cuda_context_bytes", a.cuda_context_gib), ("nccl_bytes", a.nccl_gib)) if v is not None}
+    given = {k: int(v * GIB) for k, v in given.items()}
+    if a.fragmentation is not None:
+        given["fragmentation"] = a.fragmentation
+    if any((v < 0 if k != "fragmentation" else not 0 <= v < 1) for k, v in given.items()):
+        raise ValueError("--cuda-context-gib and --nccl-gib must be >= 0 and --fragmentation in [0, 1)")
+    return dataclasses.replace(m, **given, source=m.source + (", overridden: " + ", ".join(given) if given else ""))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.add_argument("--world-size", type=int, default=None, help="GPUs (default: the config's '# world_size' comment "
                    "or tp*pp*cp)")
-    p.add_argument("--gpu-mem-gib", type=float, default=80.0)
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU model ({', '.join(GPUS)}, local) or usable GiB per GPU; "
+                   f"capacity is what the device reports (default {DEFAULT_GPU}: 79.65 GiB)")
+    p.add_argument("--nccl-topology", default=None, choices=sorted(NCCL_TOPOLOGIES),
+                   help="NCCL margin by topology (default: nvswitch for one node of 8, nvswitch-ib beyond)")
     p.add_argument("--strategies", default=None, help="comma list of none, ulysses, upipe, upipe:U "
                    "(default: the config's own strategy)")
     p.add_argument("--max-context", action="store_true", help="search the longest context that fits (128K steps)")
     p.add_argument("--max-tokens", type=int, default=32 * 1024 * 1024, help="upper bound of the search")
-    p.add_argument("--cuda-context-gib", type=float, default=Margins.cuda_context_bytes / GIB)
-    p.add_argument("--nccl-gib", type=float, default=Margins.nccl_bytes / GIB)
-    p.add_argument("--fragmentation", type=float, default=Margins.fragmentation)
+    p.add_argument("--cuda-context-gib", type=float, default=None, help="override the CUDA-context margin")
+    p.add_argument("--nccl-gib", type=float, default=None, help="override the topology's NCCL margin")
+    p.add_argument("--fragmentation", type=float, default=None, help="override the fragmentation fraction")
     p.add_argument("--explain", type=float, default=None, metavar="MIB",
                    help="also list the buffers of at least MIB MiB alive at the deciding peak, by allocation site")
     p.add_argument("--json", default=None)
@@ -67,15 +86,19 @@ def main(argv=None) -> int:
         world = a.world_size or p_.tp * p_.pp * p_.cp * (p_.dp or 1)
         plan = validate(config, world)
         vocab = _vocab_size(config, plan)
+        gpu_model = resolve_gpu(a.gpu)
+        margins = _margins(a, gpu_model, world)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     strategies = a.strategies.split(",") if a.strategies else [
         p_.cp_strategy if p_.cp_strategy != "upipe" or p_.upipe_heads_per_stage is None
         else f"upipe:{p_.upipe_heads_per_stage}"]
-    margins = Margins(int(a.cuda_context_gib * GIB), int(a.nccl_gib * GIB), a.fragmentation)
-    gpu = int(a.gpu_mem_gib * GIB)
-    print(f"planning {a.config} on {world} GPUs of {a.gpu_mem_gib:g} GiB: {plan.arch}", flush=True)
+    gpu = gpu_model.total_bytes
+    print(f"planning {a.config} on {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB: {gpu_model.source}): "
+          f"{plan.arch}", flush=True)
+    print(f"margins ({margins.source}): cuda context {margins.cuda_context_bytes / GIB:.2f} GiB, nccl "
+          f"{margins.nccl_bytes / GIB:.2f} GiB, fragmentation {margins.fragmentation:.0%} of the live peak", flush=True)
 
     results, max_ctx = [], {}
     for strategy in strategies:
@@ -98,7 +121,7 @@ def main(argv=None) -> int:
     if a.json:
         write_json(a.json, max_ctx, results)
     if a.plot:
-        plot(a.plot, results, gpu, f"{os.path.basename(a.config)}: {world} x {a.gpu_mem_gib:g} GiB")
+        plot(a.plot, results, gpu, f"{os.path.basename(a.config)}: {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB)")
     return 0
 
 

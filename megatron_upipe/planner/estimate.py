@@ -1,8 +1,9 @@
 """From a simulated step to a per-GPU verdict: kernel workspace, stated margins, fit, and the longest context.
 
 Device peak = max(tracked step peak, tracked peak at the attention op + attention-kernel workspace), then
-fragmentation on top, then the CUDA context and NCCL buffers (outside PyTorch's allocator). Every term is a named
-entry of the breakdown so a reader can see what decides the verdict.
+fragmentation on top, then the CUDA context and NCCL buffers (outside PyTorch's allocator), against the GPU's
+reported capacity (devices.py says where each capacity and margin comes from). Every term is a named entry of the
+breakdown so a reader can see what decides the verdict.
 
 Strategies are named `none`, `ulysses`, `upipe` (smallest legal U) or `upipe:U`. `none` means no context
 parallelism (cp = 1, the spare ranks become data parallel); it runs our attention op with C = 1, i.e. flash
@@ -17,19 +18,10 @@ from dataclasses import dataclass
 
 from megatron_upipe.attention.schedule import make_schedule
 from megatron_upipe.config import Config, load_config, validate
+from megatron_upipe.planner.devices import GIB, Margins
 from megatron_upipe.planner.simulate import StepMemory, simulate_step
 
-GIB = 1 << 30
 CONTEXT_STEP = 128 * 1024  # --max-context searches multiples of 128K tokens
-
-
-@dataclass(frozen=True)
-class Margins:
-    """Memory outside the tracker's view, stated rather than hidden."""
-
-    cuda_context_bytes: int = int(0.75 * GIB)  # CUDA context, cuBLAS/cuDNN handles (not in torch's allocator)
-    nccl_bytes: int = 1 * GIB  # NCCL communicator buffers
-    fragmentation: float = 0.05  # caching-allocator slack over the live peak, with expandable_segments
 
 
 def flash_workspace_bytes(config: Config, world_size: int) -> int:
@@ -107,10 +99,9 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
         device, named = at_attention, step.attention_peak_named
     else:
         device, named = step.peak_bytes, step.peak_named
-    frag = int(device * margins.fragmentation)
-    breakdown.update({"margin: fragmentation": frag, "margin: cuda context": margins.cuda_context_bytes,
-                      "margin: nccl": margins.nccl_bytes})
-    total = device + frag + margins.cuda_context_bytes + margins.nccl_bytes
+    named_margins = margins.named(device)
+    breakdown.update(named_margins)
+    total = device + sum(named_margins.values())
     return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes, breakdown, step.host_peak_bytes,
                     gpu_mem_bytes, step.peak_bytes, device, named)
 
