@@ -82,6 +82,9 @@ def run_job(config: Config, plan: Plan) -> int:
     from megatron_upipe.training.optim import UnsupportedOnThisMachine
     from megatron_upipe.training.setup import teardown
 
+    from megatron_upipe.training.console import quiet_third_party
+
+    quiet_third_party()  # known-harmless third-party warnings, before megatron-core is imported
     groups = setup_distributed(config, plan)
     state, code = None, 0
     try:

@@ -1,9 +1,10 @@
 """Ulysses-style context-parallel attention ops: UPipe (headwise-chunked) and the plain Ulysses baseline.
 
 Pure torch + torch.distributed; this package never imports training code. Modules, in import order:
-schedule (which heads go where per stage; pure Python), comm (all-to-all resharding), rope, kernels (local
-attention with an explicit backward), upipe (the stage loop for UPipe and, with one stage, Ulysses), api (checked
-public functions), reference (float64 full attention for tests and benchmarks).
+schedule (which heads go where per stage; pure Python), comm (all-to-all resharding), rope, norm_tiles (the RMSNorm
+tile math of the fused input norm, also used by models/tiled_norm.py), kernels (local attention with an explicit
+backward), upipe (the stage loop for UPipe and, with one stage, Ulysses), api (checked public functions),
+reference (float64 full attention for tests and benchmarks).
 
 Names are imported lazily so that `megatron_upipe.attention.schedule` (used by config validation and the
 memory planner) does not pull in torch.

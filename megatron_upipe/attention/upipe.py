@@ -19,7 +19,8 @@ dK/dV accumulate over the round's stages (in float32 for 16-bit inputs, or in th
 With the input RMSNorm passed in (`norm_w`, eps in StageOp), x is the layer input before the norm and the op
 never holds RMSNorm(x) whole: every projection (and weight-gradient GEMM) regenerates the normalised rows tile by
 tile from x and the saved per-token 1/rms, and backward turns the accumulated input gradient into the gradient of
-x and of the norm weight tile by tile (the formulas of models/tiled_norm.py, so results equal norm-then-op).
+x and of the norm weight tile by tile (norm_tiles.py, whose formulas models/tiled_norm.py uses too, so results
+equal norm-then-op).
 
 With the output projection W_O [D, H·d] passed in (`w_o`), the op returns out @ W_O^T [s, b, D] and its backward
 never builds dout [s, b, H·d] whole: each stage's dout rows are dy @ W_O[:, stage heads], written straight into the
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from .comm import head_to_seq, seq_to_head
 from .kernels import AttentionKernel, kernel_backward, kernel_forward
+from .norm_tiles import rms_tile, rms_tile_backward, rms_tile_rstd
 from .rope import rotate_into
 from .schedule import UPipeSchedule
 
@@ -82,8 +84,6 @@ class _Rows:
         self.tiles = [(0, n)] if norm_w is None else _row_tiles(n, tile_rows)
 
     def tile(self, a: int, z: int) -> torch.Tensor:  # [z-a, D]
-        from megatron_upipe.models.tiled_norm import rms_tile
-
         return self.x2[a:z] if self.norm_w is None else rms_tile(self.x2[a:z], self.norm_w, self.rstd[a:z])
 
     def mm(self, w_t: torch.Tensor) -> torch.Tensor:
@@ -167,8 +167,6 @@ def _dout_heads(dy2, w_o, heads: torch.Tensor, s: int, b: int, C: int, d: int) -
 
 def _norm_rstd(x2: torch.Tensor, op: StageOp) -> torch.Tensor:
     """Per-token 1/rms of x2 [s·b, D] -> [s·b, 1] float32, tile by tile."""
-    from megatron_upipe.models.tiled_norm import rms_tile_rstd
-
     rstd = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device)
     for a, z in _row_tiles(x2.shape[0], op.norm_tile_rows):
         rms_tile_rstd(x2[a:z], op.norm_eps, rstd[a:z])
@@ -308,8 +306,6 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
 def _norm_backward(dxn: torch.Tensor, xin: _Rows, dtype):
     """Gradient of the normalised rows dxn [s·b, D] (accumulator dtype) -> (dx [s·b, D] in x's dtype, dw_norm
     [D]), tile by tile; dx is written into dxn itself when that has x's dtype."""
-    from megatron_upipe.models.tiled_norm import rms_tile_backward
-
     x2 = xin.x2
     dx = dxn if dxn.dtype == dtype else torch.empty(x2.shape, dtype=dtype, device=x2.device)  # [s·b, D]
     dw = torch.zeros(xin.norm_w.shape, dtype=_acc_dtype(dtype, True), device=x2.device)  # [D]

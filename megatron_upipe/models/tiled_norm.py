@@ -7,7 +7,8 @@ normalised bf16 tensor for backward: 6 bytes per element of [s_l, b, D] on top o
 [s_l, b, D] tensors per norm (at 750K tokens per rank and D=4096: 18 GiB per norm, two norms per layer). This
 norm's autograd Function saves the input x (the residual stream, alive anyway) and rstd [s_l, b, 1] float32; both
 passes work tile by tile, so the float32 temporaries are [T, b, D]. Same formula as `RMSNorm` (float32, cast
-back, then the weight), same parameter, same `sequence_parallel` marking (weight gradient all-reduced over TP by
+back, then the weight; the tile math is megatron_upipe.attention.norm_tiles, shared with the UPipe/Ulysses
+op's fused input norm), same parameter, same `sequence_parallel` marking (weight gradient all-reduced over TP by
 megatron's finalize_model_grads).
 """
 
@@ -17,28 +18,9 @@ import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_upipe.attention.norm_tiles import rms_tile, rms_tile_backward, rms_tile_rstd
 from megatron_upipe.models.norm import RMSNorm
 from megatron_upipe.models.seq_tiles import tile_bounds
-
-
-def rms_tile_rstd(x_t: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-    """out [T, b, 1] (float32) = 1 / rms(x_t) of a tile x_t [T, b, D]."""
-    torch.rsqrt(x_t.float().pow(2).mean(-1, keepdim=True) + eps, out=out)
-
-
-def rms_tile(x_t: torch.Tensor, weight: torch.Tensor, rstd_t: torch.Tensor, out: torch.Tensor | None = None):
-    """RMSNorm of a tile, given its rstd: weight * (x_t · rstd_t in float32, cast to x's dtype); [T, ..., D]."""
-    return torch.mul(weight, (x_t.float() * rstd_t).to(x_t.dtype), out=out)
-
-
-def rms_tile_backward(x_t, weight, rstd_t, dy_t, dw: torch.Tensor) -> torch.Tensor:
-    """d x_t [T, ..., D] (x's dtype) of `rms_tile` given its output gradient dy_t (x's dtype); adds the weight
-    gradient of the tile to dw ([D]: float32, or float64 for float64 inputs)."""
-    xhat = x_t.float() * rstd_t  # [T, ..., D]
-    dw += (dy_t * xhat.to(x_t.dtype)).flatten(0, -2).sum(0, dtype=dw.dtype)  # d weight of weight * y
-    g = (dy_t * weight).float()  # d xhat
-    mean = (g * xhat).mean(-1, keepdim=True)  # [T, ..., 1]
-    return g.sub_(xhat.mul_(mean)).mul_(rstd_t).to(x_t.dtype)  # r·(g - xhat·mean(g·xhat))
 
 
 class _TiledRMSNorm(torch.autograd.Function):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_upipe.config import to_yaml
 from megatron_upipe.step import forward_backward, forward_step
 from megatron_upipe.training import checkpointing, memory_check
+from megatron_upipe.training.console import optional_kernels_line
 from megatron_upipe.training.failures import as_distributed_failure, check_step
 from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step_record
 from megatron_upipe.training.optim import current_lr
@@ -90,7 +91,7 @@ def _save(state) -> None:
     c = state.config.checkpoint
     path = checkpointing.save_checkpoint(state, c.dir, keep_last=c.keep_last)
     state.last_saved_step = state.step
-    state.logger.message(f"step {state.step:6d} | saved checkpoint {path}")
+    state.logger.checkpoint(state.step, path)
 
 
 def run(state) -> None:
@@ -111,6 +112,7 @@ def _run(state) -> None:
     log.message(plan.summary())
     log.message(f"parallel layout {groups.layout.describe()} | {state.stage.config.params_dtype} | "
                 f"{sum(p.numel() for p in state.model.parameters())} parameters on rank 0's stage")
+    log.message(optional_kernels_line())
     if state.resumed_from is not None:
         log.message(f"resumed from {state.resumed_from} at step {state.step} ({state.consumed_samples} samples)")
     peak_flops = device_peak_flops(groups.device)
@@ -118,8 +120,7 @@ def _run(state) -> None:
     if cfg.memory.plan_check and groups.rank == 0:
         predicted = memory_check.predict(to_yaml(cfg), groups.world_size)
         if predicted is not None:
-            log.message(f"memory planner: predicted peak {predicted['device_bytes'] / 2**20:.2f} MiB per GPU "
-                        f"({predicted['peak_bytes'] / 2**20:.1f} MiB with margins)")
+            log.message(memory_check.prediction_line(predicted))
     data_iterator = state.data.train_iterator(state.consumed_samples)
     while state.step < t.steps:
         start = time.perf_counter()
@@ -138,7 +139,7 @@ def _run(state) -> None:
         dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
         log.log(step_record(state.step, result["loss"], result["lr"], result["grad_norm"], seconds,
                             plan.tokens_per_step, groups.world_size, state.flops_per_token, peak_flops,
-                            int(mem_t.item()), mem_kind, result["skipped"]))
+                            int(mem_t.item()), mem_kind, result["skipped"], t.steps, state.consumed_samples))
         final = state.step == t.steps
         if t.eval_interval > 0 and (state.step % t.eval_interval == 0 or final):
             log.log(evaluate(state), kind="eval")
@@ -146,3 +147,4 @@ def _run(state) -> None:
             _save(state)
     if c.dir is not None and state.last_saved_step != state.step:  # e.g. resumed at train.steps
         _save(state)
+    log.summary()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_upipe.training.metrics import memory_label
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -79,8 +81,14 @@ def comparison(step: int, measured: dict, predicted: dict) -> dict:
             "predicted_with_margins_bytes": predicted["peak_bytes"]}
 
 
+def prediction_line(predicted: dict) -> str:
+    return (f"memory: planner predicted peak alloc {predicted['device_bytes'] / 2**20:.2f} MiB/GPU (tensors and "
+            f"attention workspace) | planner predicted total {predicted['peak_bytes'] / 2**20:.1f} MiB/GPU (with "
+            f"margins for fragmentation, CUDA context, NCCL)")
+
+
 def comparison_line(r: dict) -> str:
     diff = "n/a" if r["rel_diff"] is None else f"{r['rel_diff']:+.2%}"
-    return (f"memory: step {r['step']} measured peak {r['measured_peak_bytes'] / 2**20:.2f} MiB ({r['measured_kind']}) "
-            f"vs planner {r['predicted_peak_bytes'] / 2**20:.2f} MiB ({diff}); planner total with margins "
-            f"{r['predicted_with_margins_bytes'] / 2**20:.1f} MiB")
+    return (f"memory: step {r['step']} measured {memory_label(r['measured_kind'])} "
+            f"{r['measured_peak_bytes'] / 2**20:.2f} MiB (forward/backward, all model states) vs planner predicted "
+            f"{r['predicted_peak_bytes'] / 2**20:.2f} MiB ({diff})")

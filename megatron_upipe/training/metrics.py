@@ -9,11 +9,21 @@ MFU = achieved model FLOP/s per device / the device's dense bf16 peak (table bel
 peak_mem_bytes: `torch.cuda.max_memory_allocated` on GPU; on CPU the process's peak RSS (`ru_maxrss`, coarse: it
 includes the Python runtime and libraries), marked by `peak_mem_kind`. The maximum over ranks is reported.
 
-Where records go (rank 0 only): `log.metrics_file` gets one JSON line per step (`"kind": "train"`) and one per
-evaluation (`"kind": "eval"`), NaN written as null; tensorboard and wandb (offline by default) get the same scalars
-as `train/...` and `eval/...`; the console gets one line every `log.interval` steps, every evaluation and every
-skipped step. A resumed run appends to the metrics file: steps after its checkpoint appear again, the later record
-being the resumed run's.
+Where records go (rank 0 only: the loss and gradient norm are reduced over every rank, pipeline stages included,
+so rank 0 holds them): `log.metrics_file` gets one JSON line per step (`"kind": "train"`) and one per evaluation
+(`"kind": "eval"`), NaN written as null; tensorboard and wandb (offline by default) get the same scalars as
+`train/...` and `eval/...`; the console gets one line every `log.interval` steps, every evaluation and every
+skipped step, and an end-of-run summary. A resumed run appends to the metrics file: steps after its checkpoint
+appear again, the later record being the resumed run's.
+
+Console step line (the fields of Megatron-LM's `iteration 10/200 | consumed samples | elapsed time per iteration`):
+  step 10/200 | consumed samples 80 | 512.3 ms/step | loss 7.3466 | lr 1.884e-03 | grad norm 0.755 |
+  1749 tok/s/GPU | 0.004 TFLOP/s/GPU | MFU n/a | peak RSS 0.92 GiB | ETA 0:01:37
+ms/step is this step's wall time; the ETA is the steps left times the mean step time of this process, its first
+step excluded (it includes one-off set-up work) once a later one exists. Every memory figure names what it is
+(`MEMORY_LABELS`): "peak alloc" (torch.cuda.max_memory_allocated), "peak RSS" (CPU: the process's resident set,
+Python and libraries included), "peak tracked" (tensors a PeakMemoryTracker sees, the planner's unit), "planner
+predicted" (the memory planner's figure for this config).
 """
 
 from __future__ import annotations
@@ -56,9 +66,17 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "cpu_peak_rss"
 
 
+# What each `*_kind` of a memory figure is called wherever it is printed.
+MEMORY_LABELS = {"cuda_max_allocated": "peak alloc", "cpu_peak_rss": "peak RSS", "tracked": "peak tracked"}
+
+
+def memory_label(kind: str) -> str:
+    return MEMORY_LABELS.get(kind, f"peak {kind}")
+
+
 def step_record(step: int, loss: float, lr: float, grad_norm: float | None, seconds: float, tokens: int,
                 world_size: int, flops_per_token: float, peak_flops: float | None, peak_mem: int, mem_kind: str,
-                skipped: bool) -> dict:
+                skipped: bool, total_steps: int | None = None, consumed_samples: int | None = None) -> dict:
     """One JSON-lines record of a training step."""
     tps = tokens / seconds / world_size
     tflops = tps * flops_per_token / 1e12
@@ -67,7 +85,72 @@ def step_record(step: int, loss: float, lr: float, grad_norm: float | None, seco
         "tokens_per_sec_per_gpu": tps, "tflops_per_gpu": tflops,
         "mfu": None if peak_flops is None else tflops * 1e12 / peak_flops,
         "peak_mem_bytes": peak_mem, "peak_mem_kind": mem_kind, "skipped": skipped, "time": time.time(),
+        "total_steps": total_steps, "consumed_samples": consumed_samples,
     }
+
+
+def format_duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class RunTotals:
+    """What the end-of-run summary reports, gathered from the records as they are logged."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first_step = self.last_step = self.total_steps = None
+        self.first_step_s, self.later_s, self.later_n, self.skipped = None, 0.0, 0, 0
+        self.final_loss, self.best_eval, self.peak, self.memory_check, self.checkpoint = None, None, None, None, None
+
+    def add(self, r: dict, kind: str) -> None:
+        if kind == "train":
+            self.first_step = r["step"] if self.first_step is None else self.first_step
+            self.last_step, self.total_steps = r["step"], r.get("total_steps") or self.total_steps
+            if self.first_step_s is None:
+                self.first_step_s = r["step_time_s"]
+            else:
+                self.later_s, self.later_n = self.later_s + r["step_time_s"], self.later_n + 1
+            self.skipped += bool(r["skipped"])
+            self.final_loss = r["loss"]
+            if self.peak is None or r["peak_mem_bytes"] >= self.peak[0]:
+                self.peak = (r["peak_mem_bytes"], r["peak_mem_kind"])
+        elif kind == "eval" and math.isfinite(r["loss"]) and (self.best_eval is None or r["loss"] < self.best_eval[0]):
+            self.best_eval = (r["loss"], r["step"])
+        elif kind == "memory":
+            self.memory_check = r
+
+    def mean_step_s(self) -> float | None:
+        """Mean step time of this process, its first step excluded (unless it is the only one)."""
+        return self.later_s / self.later_n if self.later_n else self.first_step_s
+
+    def eta_s(self, step: int) -> float | None:
+        mean = self.mean_step_s()
+        return None if mean is None or self.total_steps is None else mean * max(self.total_steps - step, 0)
+
+    def summary_lines(self) -> list[str]:
+        if self.last_step is None:
+            return ["run summary: no step was run (already at train.steps)"] + (
+                [f"  checkpoint       {self.checkpoint}"] if self.checkpoint else [])
+        n = self.last_step - self.first_step + 1
+        mean = self.mean_step_s()
+        excluded = (f"steps {self.first_step + 1}-{self.last_step}; the first, {1e3 * self.first_step_s:.1f} ms, "
+                    f"excluded") if self.later_n else "one step"
+        lines = ["run summary",
+                 f"  steps            {self.last_step}/{self.total_steps} ({n} this run, {self.skipped} skipped)",
+                 f"  wall time        {format_duration(time.perf_counter() - self.start)} (after the build)",
+                 f"  mean step time   {1e3 * mean:.1f} ms ({excluded})",
+                 f"  final loss       {self.final_loss:.4f}",
+                 "  best eval loss   " + ("n/a (no evaluation)" if self.best_eval is None else
+                                         f"{self.best_eval[0]:.4f} (step {self.best_eval[1]})"),
+                 f"  peak memory      {memory_label(self.peak[1])} {self.peak[0] / 2**30:.2f} GiB (max over ranks)"]
+        if self.memory_check is not None:
+            m = self.memory_check
+            lines.append(f"  memory check     step {m['step']}: {memory_label(m['measured_kind'])} "
+                         f"{m['measured_peak_bytes'] / 2**20:.2f} MiB vs planner predicted "
+                         f"{m['predicted_peak_bytes'] / 2**20:.2f} MiB")
+        lines.append(f"  checkpoint       {self.checkpoint or 'none saved'}")
+        return lines
 
 
 def _json_value(v):
@@ -75,11 +158,12 @@ def _json_value(v):
 
 
 class MetricsLogger:
-    """Writes records to the console (every log.interval steps), the metrics file, tensorboard and wandb.
-    Only one rank (the caller decides which) makes one; the others use `NullLogger`."""
+    """Writes records to the console (every log.interval steps), the metrics file, tensorboard and wandb, and the
+    end-of-run summary. Only one rank (the caller decides which) makes one; the others use `NullLogger`."""
 
     def __init__(self, log_config, run_config: dict, resumed_step: int):
         self.cfg = log_config
+        self.totals = RunTotals()
         self.file = None
         if log_config.metrics_file:
             path = Path(log_config.metrics_file)
@@ -100,6 +184,7 @@ class MetricsLogger:
                                     dir=None if run_dir is None else str(run_dir))
 
     def log(self, record: dict, kind: str = "train") -> None:
+        self.totals.add(record, kind)
         if self.file:
             safe = {k: _json_value(v) for k, v in record.items()}
             self.file.write(json.dumps({"kind": kind, **safe}) + "\n")
@@ -118,17 +203,32 @@ class MetricsLogger:
         if kind not in ("train", "eval"):  # other kinds (e.g. "memory") print their own line
             return
         if kind == "eval":
-            print(f"step {r['step']:6d} | eval loss {r['loss']:.4f} over {r['tokens']} tokens", flush=True)
+            print(f"{self._step(r['step'])} | eval loss {r['loss']:.4f} over {r['tokens']} tokens", flush=True)
             return
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         gn = "n/a" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
-        print(f"step {r['step']:6d} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm {gn} | "
-              f"{r['tokens_per_sec_per_gpu']:.0f} tok/s/gpu | {r['tflops_per_gpu']:.3f} TFLOP/s/gpu | MFU {mfu} | "
-              f"peak mem {r['peak_mem_bytes'] / 2**30:.2f} GiB" + (" | SKIPPED (non-finite)" if r["skipped"] else ""),
-              flush=True)
+        samples = "" if r.get("consumed_samples") is None else f" | consumed samples {r['consumed_samples']}"
+        eta = self.totals.eta_s(r["step"])
+        print(f"{self._step(r['step'])}{samples} | {1e3 * r['step_time_s']:.1f} ms/step | loss {r['loss']:.4f} | "
+              f"lr {r['lr']:.3e} | grad norm {gn} | {r['tokens_per_sec_per_gpu']:.0f} tok/s/GPU | "
+              f"{r['tflops_per_gpu']:.3f} TFLOP/s/GPU | MFU {mfu} | "
+              f"{memory_label(r['peak_mem_kind'])} {r['peak_mem_bytes'] / 2**30:.2f} GiB"
+              + ("" if eta is None else f" | ETA {format_duration(eta)}")
+              + (" | SKIPPED (non-finite)" if r["skipped"] else ""), flush=True)
+
+    def _step(self, step: int) -> str:
+        total = self.totals.total_steps
+        return f"step {step:6d}" if total is None else f"step {step:{len(str(total))}d}/{total}"
 
     def message(self, text: str) -> None:
         print(text, flush=True)
+
+    def checkpoint(self, step: int, path) -> None:
+        self.totals.checkpoint = path
+        print(f"{self._step(step)} | saved checkpoint {path}", flush=True)
+
+    def summary(self) -> None:
+        print("\n".join(self.totals.summary_lines()), flush=True)
 
     def close(self) -> None:
         if self.file:
@@ -144,6 +244,12 @@ class NullLogger:
         pass
 
     def message(self, text: str) -> None:
+        pass
+
+    def checkpoint(self, step: int, path) -> None:
+        pass
+
+    def summary(self) -> None:
         pass
 
     def close(self) -> None:
