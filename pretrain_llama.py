@@ -1,15 +1,21 @@
 """Pretrain a Llama-architecture model with UPipe context parallelism on megatron-core.
 
-    pretrain_llama.py --config FILE [section.key=value ...] [--print-config] [--dry-run [--world-size N]]
+    pretrain_llama.py --config FILE [section.key=value ...] [--print-config]
+        [--dry-run [--world-size N] [--check-machine]]
 
 The config is dataclass defaults < FILE < overrides (megatron_upipe/config). `--print-config` prints the resolved
 config as YAML and exits; `--dry-run` validates it against the world size (WORLD_SIZE, or --world-size N for
-planning on a login node) and the files it names, prints the derived plan, builds nothing and exits 0.
+planning on a login node) and the files it reads, prints the derived plan, builds nothing and exits 0. It judges the
+config, not this machine: what this machine lacks for it (CUDA for NCCL, TransformerEngine, ...) is printed as
+"on this machine" warnings, refused (exit 2) with --check-machine, and refused by every real start before any
+process group or allocation. Started without torchrun (no WORLD_SIZE/RANK), the job runs as one process.
 Relative paths in a config are relative to the working directory: launch from the repository root.
 
 Launch:
     # CPU, 2 ranks on gloo
     torchrun --nproc-per-node 2 pretrain_llama.py --config examples/configs/tiny_cpu.yaml
+    # CPU, one process (no torchrun)
+    python pretrain_llama.py --config examples/configs/tiny_cpu.yaml parallel.cp=1
     # one node, 8 GPUs
     torchrun --nproc-per-node 8 pretrain_llama.py --config examples/configs/llama3_8b_upipe_8xh100.yaml
     # two nodes under Slurm, one torchrun per node
@@ -30,7 +36,12 @@ import argparse
 import os
 import sys
 
-from megatron_upipe.config import Config, ConfigError, Plan, check_paths, load_config, to_yaml, validate
+from megatron_upipe.config import (
+    Config, ConfigError, Plan, check_paths, load_config, machine_problems, to_yaml, validate,
+)
+
+PROG = "pretrain_llama.py"
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("--dry-run", action="store_true", help="validate everything, build nothing, exit 0")
     p.add_argument("--world-size", type=int, help="with --dry-run: plan for N processes instead of WORLD_SIZE")
+    p.add_argument("--check-machine", action="store_true", help="with --dry-run: also refuse (exit 2) what this "
+                   "machine cannot run for all N ranks on it (one node), as the real start would")
     return p.parse_args(argv)
 
 
@@ -52,6 +65,37 @@ def world_size_of(args: argparse.Namespace) -> int:
     if not raw.isdigit():
         raise ConfigError(f"WORLD_SIZE={raw!r} is not a positive integer")
     return int(raw)
+
+
+def single_process_env(config: Config) -> dict[str, str]:
+    """Started without torchrun: the env:// rendezvous of a world of one (what torchrun would set), or a ConfigError
+    when the config needs more ranks or torchrun's variables are only partly set."""
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if not missing:
+        return {}
+    if len(missing) < len(TORCHRUN_VARS) and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} unset: launch with "
+                          f"torchrun --nproc-per-node N pretrain_llama.py ..., which sets them all")
+    p = config.parallel
+    ranks = p.model_parallel_size * (p.dp or 1)
+    if ranks > 1:
+        raise ConfigError(f"this config needs {ranks} ranks (parallel.tp·pp·cp = {p.tp}·{p.pp}·{p.cp}, dp "
+                          f"{p.dp or 1}) but pretrain_llama.py was started without torchrun (one process): launch "
+                          f"torchrun --nproc-per-node {ranks} pretrain_llama.py ..., or set parallel.cp=1 (and tp, pp)")
+    import socket
+
+    with socket.socket() as s:  # a free port for the one-process rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {k: v for k, v in defaults.items() if k not in os.environ}
+
+
+def report(error: str, what: str = "configuration error") -> None:
+    """One line for one problem (`pretrain_llama.py: configuration error: ...`), else a header and the list."""
+    sep = ": " if "\n" not in error else "\n"
+    print(f"{PROG}: {what}{sep}{error}", file=sys.stderr, flush=True)
 
 
 def setup_distributed(config: Config, plan: Plan):
@@ -106,21 +150,41 @@ def run_job(config: Config, plan: Plan) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.check_machine and not args.dry_run:
+            raise ConfigError("--check-machine goes with --dry-run (a real start always checks the machine)")
         config = load_config(args.config, args.overrides)
         if args.print_config:
             print(to_yaml(config), end="")
             return 0
-        plan = validate(config, world_size_of(args))
+        world_size = world_size_of(args)
+        env = {} if args.dry_run else single_process_env(config)
+        os.environ.update(env)
+        plan = validate(config, world_size)
         check_paths(config)
+        if args.dry_run:
+            local_ranks = plan.world_size if args.check_machine else None
+        else:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+        on_this_machine = machine_problems(config, local_ranks)
     except ConfigError as e:
-        print(f"pretrain_llama.py: configuration error\n{e}", file=sys.stderr)
+        report(str(e))
         return 2
     if args.dry_run:
         print(plan.summary())
+        for problem in on_this_machine:
+            print(f"{'error' if args.check_machine else 'warning'}: on this machine: {problem}", file=sys.stderr)
+        if args.check_machine and on_this_machine:
+            return 2
         print("dry run: configuration is valid; nothing was built")
         return 0
+    if on_this_machine:
+        for problem in on_this_machine:
+            print(f"{PROG}: on this machine: {problem}", file=sys.stderr, flush=True)
+        return 2
+    if env:
+        print(f"{PROG}: no torchrun environment: running as a single process (world size 1)", file=sys.stderr)
     for warning in plan.warnings:
-        print(f"pretrain_llama.py: warning: {warning}", file=sys.stderr)
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     return run_job(config, plan)
 
 

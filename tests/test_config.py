@@ -218,7 +218,70 @@ def test_choices_match_the_layer_spec():
 
 def test_paths_are_checked():
     msg = errors_of(check_paths, load_config(TINY, ["data.path=data/nope", "checkpoint.load=/no/such/ckpt"]))
-    assert "data.path: data/nope.bin" in msg and "checkpoint.load: /no/such/ckpt" in msg
+    assert msg.startswith("the files this configuration reads:\n- ")  # several problems: one line each
+    assert "data.path=data/nope: data/nope.bin and data/nope.idx not found" in msg
+    assert "checkpoint.load=/no/such/ckpt does not exist" in msg
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.tokenizer=README.md"], "data.tokenizer=README.md is not a usable tokenizer (cannot load sentencepiece"),
+    (["data.tokenizer=data"], "data.tokenizer=data is not a usable tokenizer (tokenizer.json not found"),
+    (["data.tokenizer=no/such.model"], "data.tokenizer=no/such.model does not exist: give a sentencepiece .model"),
+    (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the vocabulary of data.tokenizer="
+                               "data/tokenizer/spm.model (4096 ids): set model.vocab_size=null"),
+    (["checkpoint.resume=true", "checkpoint.dir=/no/such/run"], "checkpoint.resume=true but checkpoint.dir=/no/such"),
+])
+def test_the_tokenizer_is_loaded_and_covered_by_the_vocabulary(overrides, expected):
+    """What used to pass --dry-run and fail in the build, with a traceback per rank: one line now."""
+    msg = errors_of(check_paths, load_config(TINY, overrides))
+    assert msg.startswith(expected) and "\n" not in msg, msg
+    check_paths(load_config(TINY, ["model.vocab_size=4096"]))  # equal is enough (the tokenizer's own size)
+
+
+def test_warmup_as_a_fraction_of_the_decay_horizon():
+    """tiny_cpu.yaml warms up over 10% of the run, so a short demo (train.steps=20) keeps a valid schedule."""
+    def warmup(*overrides):
+        return load_config(TINY, list(overrides)).train.lr_warmup_steps
+
+    assert (warmup(), warmup("train.steps=20"), warmup("train.steps=3"), warmup("train.steps=1")) == (20, 2, 0, 0)
+    assert warmup("train.lr_decay_steps=50") == 5  # the decay horizon, not train.steps
+    assert warmup("train.steps=100", "train.warmup_fraction=0.29") == 29  # 0.29·100 is 28.999... in binary
+    c = load_config(TINY, ["train.warmup_steps=5"])  # given steps win over the file's fraction, with a warning
+    assert (c.train.lr_warmup_steps, c.train.warmup_fraction) == (5, 0.1)
+    assert "train.warmup_fraction=0.1 applies only when train.warmup_steps=null" in validate(c, 2).warnings[0]
+    assert TrainConfig().lr_warmup_steps == 0 and TrainConfig().warmup_steps is None
+    assert "must be in [0, 1)" in errors_of(load_config, TINY, ["train.warmup_fraction=1"])
+    assert "set train.warmup_steps=null and train.warmup_fraction" in errors_of(
+        load_config, TINY, ["train.steps=20", "train.warmup_steps=20"])
+
+
+def test_machine_problems_are_apart_from_the_config(monkeypatch):
+    """validate judges the config (a CPU login node can dry-run a GPU recipe); machine_problems judges this machine,
+    with the GPU count faked both ways so the verdicts do not depend on where the test runs."""
+    from megatron_upipe.config import machine
+
+    def problems(gpus, overrides, local_ranks=None):
+        monkeypatch.setattr(machine, "_gpu_count", lambda: gpus)
+        c = load_config(TINY, overrides)
+        validate(c, 2)  # a valid config either way
+        return machine.machine_problems(c, local_ranks)
+
+    assert problems(0, []) == [] and problems(0, ["model.attention_kernel=cpu_flash"]) == []
+    (nccl,) = problems(0, ["dist.backend=nccl"])
+    assert nccl.startswith("dist.backend=nccl needs CUDA GPUs and this machine has none: set dist.backend=gloo")
+    assert problems(2, ["dist.backend=nccl"], local_ranks=2) == []
+    (too_many,) = problems(2, ["dist.backend=auto"], local_ranks=8)
+    assert too_many.startswith("8 ranks on this node (torchrun --nproc-per-node) but 2 GPU(s) visible")
+    (kernel,) = problems(0, ["model.attention_kernel=sdpa_flash"])
+    assert kernel.startswith("model.attention_kernel=sdpa_flash: kernel 'sdpa_flash' runs on cuda")
+    (fp32,) = problems(2, ["model.attention_kernel=sdpa_flash", "train.bf16=false"])
+    assert "does not support dtype torch.float32" in fp32 and fp32.endswith("set model.attention_kernel=auto")
+    te = problems(0, ["parallel.cp_strategy=p2p", "dist.backend=auto"])
+    assert any("(TransformerEngine) needs CUDA GPUs" in p for p in te)
+    assert (machine._importable("transformer_engine")
+            or any("TransformerEngine, which is not importable" in p for p in te))
+    (zero1,) = problems(0, ["train.distributed_optimizer=true"])
+    assert zero1.startswith("train.distributed_optimizer=true is not supported on CPU")
 
 
 # ---- the entry point, as a user runs it ----

@@ -2,12 +2,14 @@
 
   schema    one frozen dataclass per section (model, parallel, train, data, checkpoint, log, dist, memory)
   loader    defaults < YAML file < section.key=value overrides, with type checks and did-you-mean errors
-  validate  the cross-section checks against the world size, and the derived Plan
+  validate  the cross-section checks against the world size, and the derived Plan; the files the config reads
+  machine   what this machine must have for the config (CUDA, optional packages), checked at the real start
 """
 
 from .fieldtypes import ConfigError
 from .loader import load_config, to_yaml
+from .machine import machine_problems
 from .schema import Config
 from .validate import Plan, check_paths, validate
 
-__all__ = ["Config", "ConfigError", "Plan", "check_paths", "load_config", "to_yaml", "validate"]
+__all__ = ["Config", "ConfigError", "Plan", "check_paths", "load_config", "machine_problems", "to_yaml", "validate"]

@@ -10,6 +10,7 @@ This module imports neither torch nor megatron-core.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_type_hints
 
@@ -141,7 +142,8 @@ class TrainConfig:
     steps: int = 1000
     lr: float = 3.0e-4
     min_lr: float = 3.0e-5
-    warmup_steps: int = 0
+    warmup_steps: int | None = None  # LR warmup in optimizer steps; null = train.warmup_fraction of the decay horizon
+    warmup_fraction: float = 0.0  # used when warmup_steps is null: floor(fraction x decay horizon), in [0, 1)
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     lr_decay_steps: int | None = None  # null = steps
     weight_decay: float = 0.1
@@ -165,10 +167,13 @@ class TrainConfig:
             (self.seed < 0, f"train.seed={self.seed} must be >= 0"),
             (not 0 <= self.min_lr <= self.lr,
              f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]: lower train.min_lr"),
-            (self.warmup_steps < 0, f"train.warmup_steps={self.warmup_steps} must be >= 0"),
-            (self.warmup_steps >= decay,
+            (self.warmup_steps is not None and self.warmup_steps < 0,
+             f"train.warmup_steps={self.warmup_steps} must be >= 0"),
+            (self.warmup_steps is not None and self.warmup_steps >= decay > 0,
              f"train.warmup_steps={self.warmup_steps} must be below the decay horizon {decay} (train.lr_decay_steps, "
-             f"else train.steps): lower train.warmup_steps"),
+             f"else train.steps): lower it, or set train.warmup_steps=null and train.warmup_fraction (e.g. 0.1)"),
+            (not 0 <= self.warmup_fraction < 1,
+             f"train.warmup_fraction={self.warmup_fraction} must be in [0, 1) (a share of the decay horizon)"),
             (self.weight_decay < 0, f"train.weight_decay={self.weight_decay} must be >= 0"),
             (not 0 <= self.adam_beta1 < 1, f"train.adam_beta1={self.adam_beta1} must be in [0, 1)"),
             (not 0 <= self.adam_beta2 < 1, f"train.adam_beta2={self.adam_beta2} must be in [0, 1)"),
@@ -179,6 +184,13 @@ class TrainConfig:
     @property
     def decay_steps(self) -> int:
         return self.lr_decay_steps if self.lr_decay_steps is not None else self.steps
+
+    @property
+    def lr_warmup_steps(self) -> int:
+        """Optimizer steps of linear warmup: train.warmup_steps, else floor(train.warmup_fraction x decay_steps)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(math.floor(self.warmup_fraction * self.decay_steps + 1e-9), self.decay_steps - 1)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,15 @@
 """Cross-section checks of a Config against the world size, and the values derived from them (a Plan).
 
-`validate(config, world_size)` is a pure function of its arguments (plus which optional packages are importable),
-so every rank reaches the same verdict before any allocation or communication. It reports every problem at
-once, each naming the setting(s) and the fix. It never changes the Config: derived values go into the Plan.
-`check_paths(config)` separately checks that the files the config names exist (run at start-up and by --dry-run,
-not by the shipped-config tests, which have no data).
+`validate(config, world_size)` is a pure function of its arguments, so every rank reaches the same verdict before
+any allocation or communication, and a login node can judge a GPU recipe. It reports every problem at once, each
+naming the setting(s) and the fix. It never changes the Config: derived values go into the Plan.
+`check_paths(config)` separately checks the files the config reads: they exist, data.tokenizer loads as a
+tokenizer, and model.vocab_size holds its vocabulary (run at start-up and by --dry-run). What this machine must
+have (CUDA, optional packages) is machine.py's `machine_problems`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,10 +77,6 @@ def resolve_heads_per_stage(num_heads: int, num_kv_heads: int, cp: int, requeste
     return make_schedule(num_heads, num_kv_heads, cp, requested).heads_per_stage
 
 
-def _importable(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
 def _seq_multiple(config: Config) -> int:
     """train.seq_length must be a multiple of this: split over cp (then tp under sequence parallel)."""
     p = config.parallel
@@ -130,20 +126,13 @@ def validate(config: Config, world_size: int) -> Plan:
                           f"per TP rank (tp={p.tp}) and cp={p.cp}: {e}")
         U = U if p.cp_strategy == "upipe" else None
 
-    # context-parallel implementation available
-    if p.cp_strategy in TE_CP_STRATEGIES:
-        if not _importable("transformer_engine"):
-            errors.append(f"parallel.cp_strategy={p.cp_strategy} runs inside TransformerEngine, which is not "
-                          f"importable: install transformer-engine[pytorch] or use cp_strategy=upipe/ulysses")
-        if config.dist.backend == "gloo":
-            errors.append(f"parallel.cp_strategy={p.cp_strategy} (TransformerEngine) needs CUDA and NCCL: set "
-                          f"dist.backend=nccl/auto or cp_strategy=upipe/ulysses")
+    # context-parallel implementation (whether TransformerEngine is installed is machine.py's question)
+    if p.cp_strategy in TE_CP_STRATEGIES and config.dist.backend == "gloo":
+        errors.append(f"parallel.cp_strategy={p.cp_strategy} (TransformerEngine) needs CUDA and NCCL: set "
+                      f"dist.backend=nccl/auto or cp_strategy=upipe/ulysses")
     if config.memory.attention_grad_accum != "fp32" and p.cp_strategy not in ("ulysses", "upipe"):
         errors.append(f"memory.attention_grad_accum={config.memory.attention_grad_accum} applies to the UPipe/Ulysses "
                       f"attention op only: set parallel.cp_strategy=upipe/ulysses or memory.attention_grad_accum=fp32")
-    if m.attention_kernel == "flash_attn" and not _importable("flash_attn"):
-        errors.append("model.attention_kernel=flash_attn but the flash-attn package is not importable: install it "
-                      "or set model.attention_kernel=auto")
 
     # sequence length vs cp (and tp under sequence parallel)
     multiple = _seq_multiple(config)
@@ -192,34 +181,67 @@ def validate(config: Config, world_size: int) -> Plan:
         # Checkpoints are saved per rank ("fsdp_per_rank", training/checkpointing.py) and load only into the same
         # tp/pp/cp/dp layout: checked when a checkpoint is loaded, against the layout it recorded.
 
-    # checkpoints and logging
+    # schedule, checkpoints
+    if t.warmup_steps is not None and t.warmup_fraction:
+        warnings.append(f"train.warmup_steps={t.warmup_steps} is used; train.warmup_fraction={t.warmup_fraction} "
+                        f"applies only when train.warmup_steps=null")
     if config.checkpoint.interval > t.steps:
         warnings.append(f"checkpoint.interval={config.checkpoint.interval} > train.steps={t.steps}: no periodic "
                         f"checkpoint will be written")
-    if config.log.wandb and not _importable("wandb"):
-        errors.append("log.wandb=true but wandb is not importable: pip install wandb, or set log.wandb=false")
-    if config.log.tensorboard_dir is not None and not _importable("tensorboard"):
-        errors.append("log.tensorboard_dir is set but tensorboard is not importable: install it or set it to null")
 
     if errors:
-        raise ConfigError(f"{len(errors)} problem(s) with this configuration at world size {world_size}:\n- "
-                          + "\n- ".join(errors))
+        raise_all(errors, f"{len(errors)} problem(s) with this configuration at world size {world_size}:")
     return Plan(world_size, dp, gbs, n_micro, arch, vocab, local_h, local_g, U, t.seq_length,
                 t.seq_length // p.cp, tuple(warnings))
 
 
+def raise_all(problems: list[str], header: str) -> None:
+    """One ConfigError: a single problem as its own line, several under `header` as a list."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    raise ConfigError(header + "\n- " + "\n- ".join(problems))
+
+
+_TOKENIZER_KINDS = "a sentencepiece .model file, a tokenizer.json, or a directory holding a tokenizer.json"
+
+
 def check_paths(config: Config) -> None:
-    """The files the config reads must exist (checked at start-up, identically on every rank of a shared FS)."""
-    missing = []
-    d, c = config.data, config.checkpoint
+    """The files the config reads exist, data.tokenizer loads and model.vocab_size holds its vocabulary (checked at
+    start-up and by --dry-run, identically on every rank of a shared file system)."""
+    problems = []
+    d, c, m = config.data, config.checkpoint, config.model
     if d.path != "mock":
-        missing += [f"data.path: {d.path}{ext}" for ext in (".bin", ".idx") if not Path(d.path + ext).is_file()]
-    if d.tokenizer is not None and not Path(d.tokenizer).exists():
-        missing.append(f"data.tokenizer: {d.tokenizer}")
+        absent = [ext for ext in (".bin", ".idx") if not Path(d.path + ext).is_file()]
+        if absent:
+            problems.append(f"data.path={d.path}: {' and '.join(d.path + ext for ext in absent)} not found: give the "
+                            f"prefix tools/preprocess_data.py printed, or data.path=mock data.tokenizer=null "
+                            f"model.vocab_size=N for synthetic data")
+    if d.tokenizer is not None:
+        if not Path(d.tokenizer).exists():
+            problems.append(f"data.tokenizer={d.tokenizer} does not exist: give {_TOKENIZER_KINDS}")
+        else:
+            problems += _tokenizer_problems(d.tokenizer, m.vocab_size)
     if c.load is not None and not Path(c.load).exists():
-        missing.append(f"checkpoint.load: {c.load}")
+        problems.append(f"checkpoint.load={c.load} does not exist: give a checkpoint directory (or a directory with a "
+                        f"`latest` file), or set checkpoint.load=null")
     if c.resume is True and c.dir is not None and not Path(c.dir).is_dir():
-        missing.append(f"checkpoint.dir: {c.dir} (checkpoint.resume=true needs an existing checkpoint)")
-    if missing:
-        raise ConfigError("missing files or directories:\n- " + "\n- ".join(missing)
-                          + "\n(mock data needs none: data.path=mock data.tokenizer=null model.vocab_size=N)")
+        problems.append(f"checkpoint.resume=true but checkpoint.dir={c.dir} does not exist: point checkpoint.dir at "
+                        f"an existing run, or set checkpoint.resume=auto to start fresh")
+    if problems:
+        raise_all(problems, "the files this configuration reads:")
+
+
+def _tokenizer_problems(spec: str, vocab_size: int | None) -> list[str]:
+    """data.tokenizer must load (sentencepiece/tokenizers only: no torch), and model.vocab_size must cover it."""
+    from megatron_upipe.data.tokenizers import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(spec)
+    except (OSError, ValueError) as e:  # FileNotFoundError for a directory without tokenizer.json
+        reason = " ".join(str(e).split())  # sentencepiece's messages span lines
+        return [f"data.tokenizer={spec} is not a usable tokenizer ({reason}): give {_TOKENIZER_KINDS}"]
+    if vocab_size is not None and vocab_size < tokenizer.vocab_size:
+        return [f"model.vocab_size={vocab_size} is smaller than the vocabulary of data.tokenizer={spec} "
+                f"({tokenizer.vocab_size} ids): set model.vocab_size=null (the tokenizer's) or at least "
+                f"{tokenizer.vocab_size}"]
+    return []

@@ -3,7 +3,9 @@
 Device peak = max(tracked step peak, tracked peak at the attention op + attention-kernel workspace), then
 fragmentation on top, then the CUDA context and NCCL buffers (outside PyTorch's allocator), against the GPU's
 reported capacity (devices.py says where each capacity and margin comes from). Every term is a named entry of the
-breakdown so a reader can see what decides the verdict.
+breakdown so a reader can see what decides the verdict. A plan fits when the device and the host fit: host memory
+per rank and per node (the offload pool as simulated, checkpoint-save staging, stated margins; see
+memory_stack/host_budget.py) against memory.host_mem_gib per node.
 
 Strategies are named `none`, `ulysses`, `upipe` (smallest legal U) or `upipe:U`. `none` means no context
 parallelism (cp = 1, the spare ranks become data parallel); it runs our attention op with C = 1, i.e. flash
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_upipe.attention.schedule import make_schedule
 from megatron_upipe.config import Config, load_config, validate
+from megatron_upipe.memory_stack.host_budget import PLANNER_HOST_GIB, PLANNER_RANKS_PER_NODE, HostPlan, plan_host_memory
 from megatron_upipe.planner.devices import GIB, Margins
-from megatron_upipe.planner.simulate import StepMemory, simulate_step
+from megatron_upipe.planner.depth import simulate_deep
+from megatron_upipe.planner.simulate import StepMemory
 
 CONTEXT_STEP = 128 * 1024  # --max-context searches multiples of 128K tokens
 
@@ -59,13 +63,17 @@ class Estimate:
     strategy: str
     seq_length: int
     peak_bytes: int  # device bytes per GPU, workspace and margins included
-    fits: bool
+    fits: bool  # device and host
     breakdown: dict[str, int]
-    host_bytes: int  # offloaded checkpoints per rank
+    host_bytes: int  # host memory per rank: offload pool, checkpoint staging, process margin (host_breakdown)
     gpu_mem_bytes: int
     tracked_bytes: int = 0  # the simulated step's live-tensor peak (what a tracker or max_memory_allocated sees)
     device_bytes: int = 0  # tracked, with the attention workspace where it lands: before margins
     named: tuple = ()  # (category, allocation site, bytes) of the large storages alive at the deciding peak
+    host_breakdown: dict = field(default_factory=dict)  # per rank, by name (memory_stack/host_budget.py)
+    host_bytes_per_node: int = 0  # per rank x ranks per node + the OS margin
+    host_mem_bytes: int = 0  # host RAM per node it is checked against
+    host_fits: bool = True
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -90,7 +98,7 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
     if strategy == "none":  # the spare ranks become data parallel, with the global batch following
         extra += ["parallel.dp=null", "train.global_batch_size=null"]
     cfg = source.load(extra)
-    step: StepMemory = simulate_step(cfg, world_size, vocab_size, named_bytes)
+    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes)  # 2 + 3 layers, extrapolated
     workspace = flash_workspace_bytes(cfg, world_size)
     breakdown = dict(step.breakdown)
     at_attention = step.attention_peak_bytes + workspace
@@ -102,8 +110,21 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
     named_margins = margins.named(device)
     breakdown.update(named_margins)
     total = device + sum(named_margins.values())
-    return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes, breakdown, step.host_peak_bytes,
-                    gpu_mem_bytes, step.peak_bytes, device, named)
+    host = plan_host(cfg, world_size, vocab_size, step)
+    return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes and host.fits, breakdown, host.per_rank_bytes,
+                    gpu_mem_bytes, step.peak_bytes, device, named, host.breakdown, host.per_node_bytes,
+                    host.host_mem_bytes, host.fits)
+
+
+def plan_host(cfg: Config, world_size: int, vocab_size: int, step: StepMemory) -> HostPlan:
+    """Host memory of the plan (memory_stack/host_budget.py) with the offload pool as the simulated offloader
+    allocated it; PLANNER_RANKS_PER_NODE ranks per node (fewer if the world is smaller), memory.host_mem_gib per
+    node, else PLANNER_HOST_GIB."""
+    host = plan_host_memory(cfg, validate(cfg, world_size), vocab_size, bf16=cfg.train.bf16 is not False, cuda=True,
+                            ranks_per_node=min(world_size, PLANNER_RANKS_PER_NODE),
+                            host_mem_bytes=int(PLANNER_HOST_GIB * GIB),
+                            capacity_source=f"memory.host_mem_gib unset: the planner assumes {PLANNER_HOST_GIB:g}")
+    return dataclasses.replace(host, offload_pool_bytes=step.host_peak_bytes)
 
 
 def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, gpu_mem_bytes: int,
@@ -171,7 +192,9 @@ def write_json(path: str, max_ctx: dict[str, int], results: list[Estimate]) -> N
     with open(path, "w") as f:
         json.dump({"max_context": max_ctx, "results": [
             {"strategy": r.strategy, "seq_length": r.seq_length, "peak_bytes": r.peak_bytes, "fits": r.fits,
-             "breakdown": r.breakdown, "host_bytes": r.host_bytes, "tracked_bytes": r.tracked_bytes,
+             "breakdown": r.breakdown, "host_bytes": r.host_bytes, "host_breakdown": r.host_breakdown,
+             "host_bytes_per_node": r.host_bytes_per_node, "host_mem_bytes": r.host_mem_bytes,
+             "host_fits": r.host_fits, "tracked_bytes": r.tracked_bytes,
              "device_bytes": r.device_bytes} for r in results]}, f, indent=1)
 
 
@@ -208,6 +231,9 @@ def format_named(est: Estimate) -> str:
 
 def format_breakdown(est: Estimate) -> str:
     parts = [f"{k} {v / GIB:.2f}" for k, v in sorted(est.breakdown.items(), key=lambda kv: -kv[1]) if v]
-    host = f"; host {est.host_bytes / GIB:.2f} GiB" if est.host_bytes else ""
+    host = (f"; host {est.host_bytes / GIB:.2f} GiB per rank ("
+            + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.host_breakdown.items() if v)
+            + f"), {est.host_bytes_per_node / GIB:.1f} GiB per node of {est.host_mem_bytes / GIB:.0f}"
+            + ("" if est.host_fits else " - host does NOT fit")) if est.host_bytes else ""
     return f"{est.strategy} @ {est.seq_length}: {est.peak_bytes / GIB:.2f} GiB ({', '.join(parts)}){host}"
 

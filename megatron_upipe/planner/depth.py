@@ -1,0 +1,62 @@
+"""A deep model's step from two shallow simulations: every memory term is affine in the number of layers.
+
+The layers of a Llama are identical, and so is what one more layer adds to rank 0's step: its parameters,
+gradients and optimizer states (device), its offloaded input (host), and nothing else at the deciding moments —
+the activation peak happens inside one layer's recomputed forward/backward, whatever the depth. So with
+stage depths a < b (layers per pipeline stage) simulated, a quantity q at depth L is
+q(b) + (L - b) * (q(b) - q(a)) / (b - a). Holds only from the depth at which the per-layer pattern is
+periodic: megatron-core's DDP buckets of ~40M elements (several per 8B layer) are; a sharded wrapper whose queue or
+prefetch spans k layers needs a > k (`base_depth`). tests/test_planner_depth.py checks the extrapolation against
+the full simulation; the tuple of named buffers is the deeper simulation's (named buffers of one more layer's
+model states are not listed).
+
+Legend: L layers per stage of the planned config (model.num_layers / parallel.pp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_upipe.config import Config, validate
+from megatron_upipe.planner.simulate import StepMemory, simulate_step
+
+_LINEAR_INTS = ("peak_bytes", "host_peak_bytes", "model_state_bytes", "num_parameters", "attention_peak_bytes")
+_LINEAR_DICTS = ("breakdown", "attention_peak_breakdown")
+
+
+def layers_per_stage(config: Config, world_size: int) -> int:
+    return validate(config, world_size).arch.num_layers // config.parallel.pp
+
+
+def with_depth(config: Config, depth: int) -> Config:
+    """`config` with `depth` layers per pipeline stage."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=depth * config.parallel.pp))
+
+
+def extrapolate(shallow: StepMemory, deeper: StepMemory, a: int, b: int, depth: int) -> StepMemory:
+    """The step at `depth` layers per stage from simulations at a < b layers (see the module docstring)."""
+    if not 0 < a < b <= depth:
+        raise ValueError(f"extrapolation needs 0 < a < b <= depth, got a={a}, b={b}, depth={depth}")
+
+    def line(qa: int, qb: int) -> int:
+        return qb + (depth - b) * (qb - qa) // (b - a)
+
+    ints = {k: line(getattr(shallow, k), getattr(deeper, k)) for k in _LINEAR_INTS}
+    dicts = {}
+    for k in _LINEAR_DICTS:
+        da, db = getattr(shallow, k) or {}, getattr(deeper, k) or {}
+        dicts[k] = {c: line(da.get(c, 0), db.get(c, 0)) for c in {**da, **db}}
+    return dataclasses.replace(deeper, **ints, **dicts)
+
+
+def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes: int = 0,
+                  base_depth: int = 2) -> StepMemory:
+    """simulate_step of `config`, from simulations at base_depth and base_depth + 1 layers per stage when the
+    model is deeper than base_depth + 2 (else the full simulation)."""
+    depth = layers_per_stage(config, world_size)
+    a, b = base_depth, base_depth + 1
+    if depth <= b + 1:
+        return simulate_step(config, world_size, vocab_size, named_bytes)
+    shallow = simulate_step(with_depth(config, a), world_size, vocab_size, 0)
+    deeper = simulate_step(with_depth(config, b), world_size, vocab_size, named_bytes)
+    return extrapolate(shallow, deeper, a, b, depth)
