@@ -64,3 +64,72 @@ def test_attention_package_runs_without_megatron_core():
     err = float(res.stdout.split("ERR")[-1])
     print(f"no-megatron op with norm_w vs float64 RMSNorm + reference: {err:.2e}")
     assert err < 1e-5
+
+
+# --- 2. index tensors made once per (schedule, device) --------------------------------------------------------------
+
+class _CountHostCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts tensors made from host data (`torch.tensor(...)` dispatches aten.lift_fresh)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _small_inputs(seed=0, dtype=torch.float64, s=8, b=2, D=16, G=2, g=4, d=8):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(s, b, D, generator=gen, dtype=torch.float64)
+    w_q = torch.randn(G, g, d, D, generator=gen, dtype=torch.float64) * 0.3
+    w_k = torch.randn(G, d, D, generator=gen, dtype=torch.float64) * 0.3
+    w_v = torch.randn(G, d, D, generator=gen, dtype=torch.float64) * 0.3
+    dout = torch.randn(s, b, G * g * d, generator=gen, dtype=torch.float64)
+    return [t.to(dtype) for t in (x, w_q, w_k, w_v, dout)]
+
+
+def test_index_tensors_are_built_once_per_schedule_and_device():
+    """The stage/round index tensors come from a per-(schedule, device) cache: the same objects on every call, and
+    a second forward + backward of UPipe (4 stages) and Ulysses makes no tensor from host data at all, while the
+    first one after emptying the cache does (so the counter sees them)."""
+    from megatron_upipe.attention import ulysses_attention_grouped, upipe_attention_grouped
+    from megatron_upipe.attention import upipe
+    from megatron_upipe.attention.schedule import make_schedule
+
+    sched = make_schedule(8, 2, 1, 2)
+    x = torch.zeros(1)
+    first = upipe._stage_indices(sched, x)
+    again = upipe._stage_indices(sched, x)
+    assert all(a is b for a, b in zip(first[0] + first[2], again[0] + again[2]))
+    assert [h.tolist() for h in first[0]] == [list(st.q_heads) for st in sched.stages]
+
+    *ins, dout = _small_inputs()
+    for fn, kw in ((upipe_attention_grouped, dict(heads_per_stage=2)), (ulysses_attention_grouped, {})):
+        upipe._cached_indices.cache_clear()
+        counts = []
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in ins]
+            with _CountHostCopies() as mode:
+                out = fn(*leaves, cp_group=None, **kw)
+                torch.autograd.grad(out, leaves, dout)
+            counts.append(mode.count)
+        print(f"{fn.__name__}: tensors made from host data, first and second forward + backward: {counts}")
+        assert counts[0] > 0 and counts[1] == 0, counts  # the first call fills the cache (the counter sees it)
+
+
+def test_index_cache_is_not_used_for_fake_tensors():
+    """Fake (simulated) tensors get their own index tensors: a cached real tensor would leak into the fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from megatron_upipe.attention import upipe
+    from megatron_upipe.attention.schedule import make_schedule
+
+    sched = make_schedule(8, 2, 1, 2)
+    real = upipe._stage_indices(sched, torch.zeros(1))
+    with FakeTensorMode():
+        fake = upipe._stage_indices(sched, torch.zeros(1))
+    assert all(isinstance(t, FakeTensor) for t in fake[0] + fake[2])
+    assert not any(isinstance(t, FakeTensor) for t in real[0] + real[2])

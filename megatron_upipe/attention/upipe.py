@@ -34,6 +34,7 @@ keeps), so the baseline and UPipe differ only in what they keep, never in how th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -145,12 +146,29 @@ def _gather_heads(buf_shbd, heads: torch.Tensor, C: int) -> torch.Tensor:
     return send
 
 
-def _round_rows(sched: UPipeSchedule, device):
-    """Index tensors per stage (q rows as (group, j)) and per round (KV head ids), rank-major."""
+def _build_indices(sched: UPipeSchedule, device: torch.device):
+    """Index tensors per stage (query heads [U], and their W_Q rows as (group, j)) and per round (KV head ids
+    [C·n_kv]), rank-major: (stage_heads, stage_rows, round_kv)."""
     g = sched.group_size
-    stage_heads = [torch.tensor(st.q_heads, device=device) for st in sched.stages]
-    round_kv = [torch.tensor(kv, device=device) for kv in sched.round_kv_heads]
-    return stage_heads, [(h // g, h % g) for h in stage_heads], round_kv
+    with torch.inference_mode(False):  # usable outside inference mode too, when cached
+        stage_heads = tuple(torch.tensor(st.q_heads, device=device) for st in sched.stages)  # host -> device
+        round_kv = tuple(torch.tensor(kv, device=device) for kv in sched.round_kv_heads)
+        return stage_heads, tuple((h // g, h % g) for h in stage_heads), round_kv
+
+
+@lru_cache(maxsize=64)
+def _cached_indices(sched: UPipeSchedule, device: torch.device):
+    return _build_indices(sched, device)
+
+
+def _stage_indices(sched: UPipeSchedule, like: torch.Tensor):
+    """`_build_indices` for `like`'s device, made once per (schedule, device) and reused by every later forward and
+    backward: the host-to-device copies (a synchronisation each) stay out of the per-layer path and out of CUDA
+    graph capture. The schedule is frozen and the index tensors are only read. Fake, meta and other tensor
+    subclasses (simulation, tracing) get fresh ones: a cached tensor must not cross into or out of such a mode."""
+    if type(like) is torch.Tensor and like.device.type != "meta":
+        return _cached_indices(sched, like.device)
+    return _build_indices(sched, like.device)
 
 
 def _dout_heads(dy2, w_o, heads: torch.Tensor, s: int, b: int, C: int, d: int) -> torch.Tensor:
@@ -186,7 +204,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None):
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
     H, d = sched.num_heads, w_q.shape[2]
     xin = _Rows(x.reshape(s * b, D), norm_w, rstd, op.norm_tile_rows)  # [s·b, D] rows (normalised on the fly)
-    stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
+    stage_heads, stage_rows, round_kv = _stage_indices(sched, x)
     out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
     out_shbd = out.view(s, b, H, d)
     lses, auxes, saved = [], [], []
@@ -231,7 +249,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     H, d = sched.num_heads, w_q.shape[2]
     dtype, acc = x.dtype, _acc_dtype(x.dtype, op.accumulate_fp32)
     xin = _Rows(x.reshape(s * b, D), norm_w, rstd, op.norm_tile_rows)  # [s·b, D] rows (normalised on the fly)
-    stage_heads, stage_rows, round_kv = _round_rows(sched, x.device)
+    stage_heads, stage_rows, round_kv = _stage_indices(sched, x)
     out_shbd = out.view(s, b, H, d)
     if w_o is None:
         dout_shbd = dout.contiguous().view(s, b, H, d)
