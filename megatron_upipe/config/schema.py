@@ -61,18 +61,18 @@ class ModelConfig:
     section: ClassVar[str] = "model"
     preset: str = "tiny"  # a name from megatron_upipe.models.presets
     # Overrides of the preset's shape; null = the preset's value.
-    num_layers: int | None = None
-    hidden_size: int | None = None
-    num_attention_heads: int | None = None
+    num_layers: int | None = None  # transformer layers L
+    hidden_size: int | None = None  # model width D
+    num_attention_heads: int | None = None  # query heads H
     num_query_groups: int | None = None  # KV heads
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: int | None = None  # SwiGLU MLP inner size
     kv_channels: int | None = None  # head dim
-    rotary_base: float | None = None
-    norm_epsilon: float | None = None
-    max_position_embeddings: int | None = None
+    rotary_base: float | None = None  # RoPE theta
+    norm_epsilon: float | None = None  # RMSNorm epsilon
+    max_position_embeddings: int | None = None  # megatron-core's max_sequence_length of the model
     vocab_size: int | None = None  # null = the tokenizer's (else the preset's)
     make_vocab_size_divisible_by: int = 128  # the embedding is padded to a multiple of this x tp
-    init_method_std: float = 0.02
+    init_method_std: float = 0.02  # std of the normal weight initialisation
     # Local attention kernel: auto, or a name from megatron_upipe/attention/kernels.py KERNELS.
     attention_kernel: Literal["auto", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "cpu_flash"] = "auto"
 
@@ -137,24 +137,24 @@ class ParallelConfig:
 class TrainConfig:
     section: ClassVar[str] = "train"
     seq_length: int = 4096  # global tokens per sequence (before the cp split)
-    micro_batch_size: int = 1
+    micro_batch_size: int = 1  # sequences per forward/backward on one DP rank
     global_batch_size: int | None = None  # null = micro_batch_size x dp (no gradient accumulation)
-    steps: int = 1000
-    lr: float = 3.0e-4
-    min_lr: float = 3.0e-5
+    steps: int = 1000  # optimizer steps of the whole run (a resumed run continues to it)
+    lr: float = 3.0e-4  # peak learning rate (after warmup)
+    min_lr: float = 3.0e-5  # learning rate at the end of the decay
     warmup_steps: int | None = None  # LR warmup in optimizer steps; null = train.warmup_fraction of the decay horizon
     warmup_fraction: float = 0.0  # used when warmup_steps is null: floor(fraction x decay horizon), in [0, 1)
-    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"  # from lr to min_lr after the warmup
     lr_decay_steps: int | None = None  # null = steps
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1.0e-8
+    weight_decay: float = 0.1  # Adam weight decay (decoupled, as AdamW)
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.95  # Adam second-moment decay
+    adam_eps: float = 1.0e-8  # Adam denominator epsilon
     clip_grad: float = 1.0  # max global grad norm; 0 = no clipping
     bf16: bool | Literal["auto"] = "auto"  # auto = bf16 where the device supports it, else fp32
-    seed: int = 1234
+    seed: int = 1234  # random seed of the weight initialisation and of the data order
     eval_interval: int = 1000  # steps between evaluations; 0 = never
-    eval_iters: int = 10
+    eval_iters: int = 10  # global batches of the validation split per evaluation
     nan_policy: Literal["stop", "skip"] = "stop"  # on a non-finite loss/grad: stop the run or skip the step
     distributed_optimizer: bool = False  # shard optimizer state over dp x cp (ZeRO-1)
 
@@ -197,9 +197,10 @@ class TrainConfig:
 class DataConfig:
     section: ClassVar[str] = "data"
     path: str = "mock"  # preprocessed dataset prefix (<path>.bin/.idx), or mock for synthetic tokens
-    tokenizer: str | None = None  # local HF tokenizer dir or tokenizer.json; null only with mock data
+    # A sentencepiece .model, an HF tokenizer.json or a directory holding one; null only with mock data.
+    tokenizer: str | None = None
     split: list[float] = field(default_factory=lambda: [969.0, 30.0, 1.0])  # train, valid, test weights
-    num_workers: int = 2
+    num_workers: int = 2  # DataLoader worker processes per rank (0 = load in the training process)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -235,12 +236,12 @@ class CheckpointConfig:
 class LogConfig:
     section: ClassVar[str] = "log"
     interval: int = 10  # steps between log lines
-    metrics_file: str | None = None  # JSON lines, one per logged step (rank 0)
-    tensorboard_dir: str | None = None
-    wandb: bool = False
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "megatron_upipe"
-    wandb_run_name: str | None = None
+    metrics_file: str | None = None  # JSON lines, one record per step and per evaluation (rank 0); null = none
+    tensorboard_dir: str | None = None  # tensorboard event files (rank 0); null = none
+    wandb: bool = False  # log to Weights & Biases (pip install -e .[wandb])
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: files only, next to log.metrics_file
+    wandb_project: str = "megatron_upipe"  # wandb project name
+    wandb_run_name: str | None = None  # null = wandb picks one
 
     def __post_init__(self) -> None:
         _check_types(self)
