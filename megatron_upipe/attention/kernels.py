@@ -7,21 +7,27 @@ kernel here exposes both halves:
     bwd(dout, q, k, v, out, lse, aux, causal, scale) -> (dq, dk, dv)
 
 Layout at this interface: q, out, dout [b, hq, N, d]; k, v [b, hkv, N, d] (hq a multiple of hkv: GQA); lse
-[b, hq, N] float32 (float64 for float64 inputs on CPU). Callers pass permuted views of sequence-first buffers
-([N, b, h, d] memory); the CPU kernel keeps that memory layout for `out`. `aux` is whatever small extra state a
-kernel's backward needs (RNG offsets, cumulative lengths), opaque to callers.
+float32 (float64 for float64 inputs on CPU), shaped as the kernel makes it. Callers pass permuted views of
+sequence-first buffers ([N, b, h, d] memory). `aux` is whatever small extra state a kernel's backward needs (RNG
+state, cumulative lengths), opaque to callers.
 
-Kernels: `cpu_flash` (aten's CPU flash attention, every float dtype), on CUDA `sdpa_flash`, `sdpa_efficient`,
-`sdpa_cudnn` (PyTorch's fused SDPA ops), `flash_attn` (Dao-AILab flash-attn, when installed) and `te_fused`
-(TransformerEngine's cuDNN fused attention, when installed; by name only). Kernels without native GQA get K/V
-expanded to the query heads and their gradients summed back. `select_kernel` picks one automatically
-(flash_attn, then sdpa_flash, sdpa_efficient, cpu_flash; overridable by name) and logs the choice once per
-(kernel, device, dtype).
+Kernels: `cpu_flash` (aten's CPU flash attention, every float dtype); on CUDA `te_fused` (TransformerEngine's
+cuDNN fused attention), `flash_attn` (Dao-AILab flash-attn 2), `sdpa_flash`, `sdpa_cudnn`, `sdpa_efficient`
+(PyTorch's fused SDPA ops). The libraries' version differences live in kernel_libraries.py. GQA: te_fused,
+flash_attn, sdpa_flash (flash-attn 2's kernel inside aten) and sdpa_cudnn (cuDNN's graph takes K/V with their own
+head count) take hkv < hq natively; sdpa_efficient does not (its backward returns dK/dV with the query's heads),
+so K/V are expanded to the query heads for it and dK/dV summed back, which the memory model counts.
+
+`select_kernel` picks one automatically (te_fused, flash_attn, sdpa_flash, sdpa_efficient, cpu_flash: the first
+whose device, dtype and head dim fit, whose library imports with a known signature and, with a `KernelCall`, whose
+own check accepts the call's shape) and logs the choice and each fallback's reason once.
+`planning_kernel(name)` is the planner's CPU stand-in for a GPU kernel: it allocates what that kernel allocates
+(tests/test_cuda_contracts.py checks it against the kernels' meta functions on fake CUDA tensors).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,9 +35,22 @@ from typing import Any, Callable
 
 import torch
 
+from . import kernel_libraries as libs
+
 log = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """The shape of one kernel call of the op: what a kernel's own support check needs."""
+
+    batch: int
+    q_heads: int  # per call (m per rank in a UPipe stage)
+    kv_heads: int  # per call, before any expansion
+    seq_len: int  # N
+    causal: bool = True
 
 
 @dataclass(frozen=True)
@@ -44,8 +63,11 @@ class AttentionKernel:
     native_gqa: bool
     fwd: Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
     bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    library: Callable[[], Any] | None = None  # the library's API, or a str: why it cannot be used
+    shape_check: Callable[[KernelCall, torch.dtype, int], str | None] | None = None
 
-    def unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    def unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int,
+                           call: KernelCall | None = None) -> str | None:
         if device_type != self.device_type:
             return f"kernel {self.name!r} runs on {self.device_type}, the tensors are on {device_type}"
         if dtype not in self.dtypes:
@@ -55,6 +77,11 @@ class AttentionKernel:
                 f"kernel {self.name!r} does not support head dim {head_dim} (needs <= {self.max_head_dim} and a "
                 f"multiple of {self.head_dim_multiple}); choose another kernel or head dim"
             )
+        api = self.library() if self.library is not None else None
+        if isinstance(api, str):
+            return f"kernel {self.name!r} is unavailable: {api}"
+        if call is not None and self.shape_check is not None:
+            return self.shape_check(call, dtype, head_dim)
         return None
 
 
@@ -69,7 +96,7 @@ def _cpu_bwd(dout, q, k, v, out, lse, aux, causal, scale):
 
 
 # ---------------------------------------------------------------------------------- CUDA SDPA fused ops
-def _sdpa_flash_fwd(q, k, v, causal, scale):
+def _sdpa_flash_fwd(q, k, v, causal, scale):  # lse [b, hq, N]
     out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale
     )
@@ -83,7 +110,7 @@ def _sdpa_flash_bwd(dout, q, k, v, out, lse, aux, causal, scale):
     )
 
 
-def _sdpa_eff_fwd(q, k, v, causal, scale):
+def _sdpa_eff_fwd(q, k, v, causal, scale):  # lse [b, hq, N rounded up to a multiple of 32]
     out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
     return out, lse, (seed, offset)
 
@@ -96,7 +123,7 @@ def _sdpa_eff_bwd(dout, q, k, v, out, lse, aux, causal, scale):
     return dq, dk, dv
 
 
-def _sdpa_cudnn_fwd(q, k, v, causal, scale):
+def _sdpa_cudnn_fwd(q, k, v, causal, scale):  # lse [b, hq, N, 1]
     out, lse, cq, ck, mq, mk, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )
@@ -110,65 +137,41 @@ def _sdpa_cudnn_bwd(dout, q, k, v, out, lse, aux, causal, scale):
     )
 
 
-# ------------------------------------------------------------------------- flash-attn (optional, CUDA)
-# flash-attn works in [b, N, h, d]; its private _flash_attn_forward/_backward are the only entry points that
-# return the softmax lse and accept it back. Unverified in this workplace (no GPU in CI): see tests/test_kernels.py.
+# ------------------------------------------------------------------------- flash-attn 2 (optional, CUDA)
+# flash-attn works in [b, N, h, d] (any strides with a contiguous last dim): transposed views, no copies.
 def _fa_fwd(q, k, v, causal, scale):
-    from flash_attn.flash_attn_interface import _flash_attn_forward
-
-    res = _flash_attn_forward(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-    )
-    out, lse, rng = res[0], res[1], res[-1]
+    out, lse, rng = libs.flash_attn_forward(libs.flash_attn_api(), *(t.transpose(1, 2) for t in (q, k, v)), causal,
+                                            scale)  # out [b, N, hq, d], lse [b, hq, N]
     return out.transpose(1, 2), lse, rng
 
 
 def _fa_bwd(dout, q, k, v, out, lse, aux, causal, scale):
-    from flash_attn.flash_attn_interface import _flash_attn_backward
-
-    dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (q, k, v))
-    _flash_attn_backward(
-        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse,
-        dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False, rng_state=aux,
-    )
+    dq, dk, dv = libs.flash_attn_backward(libs.flash_attn_api(), *(t.transpose(1, 2) for t in (dout, q, k, v, out)),
+                                          lse, aux, causal, scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 # ------------------------------------------------------------- TransformerEngine fused attention (optional)
-# TE's cuDNN fused attention in "sbhd" layout, which is our head-layout buffers' memory order. Its Python
-# wrappers (transformer_engine.pytorch.cpp_extensions.fused_attn_fwd/_bwd, TE 2.x) are called by keyword; the
-# softmax statistics (lse) are aux[0], the RNG state aux[1]. Opt-in by name only (kernel="te_fused"): unverified
-# in this workplace, which has neither CUDA nor TE (see tests/test_kernels.py).
-def _te_fwd(q, k, v, causal, scale):
-    from transformer_engine.pytorch.cpp_extensions import fused_attn_fwd
-    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
+# TE's "sbhd_sbhd_sbhd" layout is our head-layout buffers' memory order, but TE derives strides from the layout:
+# each tensor must be dense [N, b, h, d] (a stage's slice of the resident KV heads is copied).
+def _sbhd(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(2, 0, 1, 3).contiguous()  # [b, h, N, d] view -> dense [N, b, h, d] (no copy when it is)
 
-    b, _, n, _ = q.shape
-    cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
-    out, aux = fused_attn_fwd(
-        is_training=True, max_seqlen_q=n, max_seqlen_kv=n, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-        q=q.permute(2, 0, 1, 3), k=k.permute(2, 0, 1, 3), v=v.permute(2, 0, 1, 3), fake_dtype=q.dtype,
-        fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale,
-        qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal" if causal else "no_mask",
-    )  # out [N, b, h, d]
-    return out.permute(1, 2, 0, 3), aux[0], (cu, list(aux))
+
+def _te_fwd(q, k, v, causal, scale):
+    out, aux, _ = libs.te_forward(libs.te_api(), _sbhd(q), _sbhd(k), _sbhd(v), causal, scale)  # out [N, b, hq, d]
+    return out.permute(1, 2, 0, 3), aux[0], aux  # aux[0]: softmax Stats [b, hq, N, 1] float32
 
 
 def _te_bwd(dout, q, k, v, out, lse, aux, causal, scale):
-    from transformer_engine.pytorch.cpp_extensions import fused_attn_bwd
-    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
-    from transformer_engine.pytorch.constants import TE_DType
-
-    cu, aux_tensors = aux
-    n = q.shape[2]
-    sbhd = (t.permute(2, 0, 1, 3) for t in (q, k, v, out, dout))
-    dq, dk, dv, *_ = fused_attn_bwd(
-        n, n, cu, cu, *sbhd, fake_dtype=q.dtype, dqkv_dtype=TE_DType[q.dtype], aux_ctx_tensors=aux_tensors,
-        fused_attention_backend=FusedAttnBackend["F16_arbitrary_seqlen"], attn_scale=scale,
-        qkv_layout="sbhd_sbhd_sbhd", attn_mask_type="causal" if causal else "no_mask",
-    )
+    dq, dk, dv = libs.te_backward(libs.te_api(), *(_sbhd(t) for t in (dout, q, k, v, out)), aux, causal, scale)
     return dq.permute(1, 2, 0, 3), dk.permute(1, 2, 0, 3), dv.permute(1, 2, 0, 3)
+
+
+def _te_shape_check(call: KernelCall, dtype: torch.dtype, head_dim: int) -> str | None:
+    api = libs.te_api()
+    return libs.te_fused_backend(api, call.batch, call.q_heads, call.kv_heads, call.seq_len, head_dim, call.causal,
+                                 dtype)[1]
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -177,65 +180,151 @@ KERNELS: dict[str, AttentionKernel] = {
     for k in (
         AttentionKernel("cpu_flash", "cpu", (torch.float32, torch.float64, torch.bfloat16, torch.float16),
                         1 << 30, 1, True, _cpu_fwd, _cpu_bwd),
-        AttentionKernel("flash_attn", "cuda", _HALF, 256, 8, True, _fa_fwd, _fa_bwd),
-        AttentionKernel("sdpa_cudnn", "cuda", _HALF, 128, 8, False, _sdpa_cudnn_fwd, _sdpa_cudnn_bwd),
-        AttentionKernel("sdpa_flash", "cuda", _HALF, 256, 8, False, _sdpa_flash_fwd, _sdpa_flash_bwd),
+        AttentionKernel("te_fused", "cuda", _HALF, 256, 8, True, _te_fwd, _te_bwd, libs.te_api, _te_shape_check),
+        AttentionKernel("flash_attn", "cuda", _HALF, 256, 8, True, _fa_fwd, _fa_bwd, libs.flash_attn_api),
+        AttentionKernel("sdpa_flash", "cuda", _HALF, 256, 8, True, _sdpa_flash_fwd, _sdpa_flash_bwd),
+        AttentionKernel("sdpa_cudnn", "cuda", _HALF, 128, 8, True, _sdpa_cudnn_fwd, _sdpa_cudnn_bwd),
         AttentionKernel("sdpa_efficient", "cuda", _HALF + (torch.float32,), 512, 8, False, _sdpa_eff_fwd, _sdpa_eff_bwd),
-        AttentionKernel("te_fused", "cuda", _HALF, 256, 8, True, _te_fwd, _te_bwd),
     )
 }
-_AUTO_ORDER = ("flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash")
+AUTO_ORDER = ("te_fused", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash")
 
 
-_PACKAGES = {"flash_attn": "flash_attn", "te_fused": "transformer_engine"}
-
-
-def _installed(name: str) -> bool:
-    return name not in _PACKAGES or importlib.util.find_spec(_PACKAGES[name]) is not None
-
-
-def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | None = None) -> AttentionKernel:
-    """The kernel to use for these inputs: `name` if given (validated), else the first suitable in auto order."""
+def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | AttentionKernel | None = None,
+                  call: KernelCall | None = None) -> AttentionKernel:
+    """The kernel for these inputs: `name` (or a kernel object, e.g. a `planning_kernel`) if given, validated; else
+    the first suitable one in AUTO_ORDER. `call` lets a kernel check the call's shape (TE's backend query)."""
     if name is not None:
-        if name not in KERNELS:
-            raise ValueError(f"attention kernel {name!r} is unknown; choose one of {sorted(KERNELS)}")
-        kernel = KERNELS[name]
-        reason = kernel.unsupported_reason(device.type, dtype, head_dim)
-        if reason is None and not _installed(name):
-            reason = f"kernel {name!r} needs the {_PACKAGES[name]} package, which is not installed"
+        if isinstance(name, AttentionKernel):
+            kernel = name
+        elif name in KERNELS:
+            kernel = KERNELS[name]
+        else:
+            raise ValueError(f"attention kernel {name!r} is unknown; choose one of {sorted(KERNELS)} or auto")
+        reason = kernel.unsupported_reason(device.type, dtype, head_dim, call)
         if reason:
-            raise ValueError(reason)
+            raise ValueError(f"{reason}; choose another attention kernel or auto")
     else:
-        candidates = [KERNELS[n] for n in _AUTO_ORDER if _installed(n)]
-        usable = [k for k in candidates if k.unsupported_reason(device.type, dtype, head_dim) is None]
-        if not usable:
-            reasons = "; ".join(k.unsupported_reason(device.type, dtype, head_dim) for k in candidates)
-            raise ValueError(f"no attention kernel supports these inputs: {reasons}")
-        kernel = usable[0]
-    _report_once(kernel.name, device.type, str(dtype))
+        reasons = []
+        for candidate in (KERNELS[n] for n in AUTO_ORDER):
+            if candidate.device_type != device.type:
+                continue
+            reason = candidate.unsupported_reason(device.type, dtype, head_dim, call)
+            if reason is None:
+                kernel = candidate
+                break
+            reasons.append(reason)
+            _log_once(logging.INFO, f"megatron_upipe attention: not using {candidate.name}: {reason}")
+        else:
+            raise ValueError(f"no attention kernel supports these inputs: {'; '.join(reasons) or device.type}")
+    api = kernel.library() if kernel.library is not None else None
+    _log_once(logging.INFO, f"megatron_upipe attention kernel: {kernel.name} ({device.type}, {dtype}"
+                            f"{', ' + api.describe() if api is not None else ''})")
     return kernel
 
 
 @lru_cache(maxsize=None)
-def _report_once(name: str, device_type: str, dtype: str) -> None:
-    log.info("megatron_upipe attention kernel: %s (%s, %s)", name, device_type, dtype)
+def _log_once(level: int, message: str) -> None:
+    log.log(level, message)
+
+
+def _expand(t: torch.Tensor, rep: int) -> torch.Tensor:
+    return t.repeat_interleave(rep, dim=1)  # [b, hkv, N, d] -> [b, hkv·rep, N, d]
 
 
 def kernel_forward(kernel: AttentionKernel, q, k, v, causal: bool, scale: float):
     """(out, lse, aux) for q [b, hq, N, d], k/v [b, hkv, N, d]; expands K/V for kernels without native GQA."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and not kernel.native_gqa:
-        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+        return kernel.fwd(q, _expand(k, rep), _expand(v, rep), causal, scale)
     return kernel.fwd(q, k, v, causal, scale)
 
 
 def kernel_backward(kernel: AttentionKernel, dout, q, k, v, out, lse, aux, causal: bool, scale: float):
-    """(dq, dk, dv) with dk/dv shaped like k/v [b, hkv, N, d]."""
-    hkv = k.shape[1]
+    """(dq, dk, dv) with dk/dv shaped like k/v [b, hkv, N, d]. Without native GQA the expanded K/V die before the
+    expanded dK/dV are summed back: the peak is 2 expanded inputs + 2 expanded gradients at the kernel's end."""
+    b, hkv, n, d = k.shape
     rep = q.shape[1] // hkv
-    if rep > 1 and not kernel.native_gqa:
-        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
-        dq, dk, dv = kernel.bwd(dout, q, k, v, out, lse, aux, causal, scale)
-        b, _, n, d = dk.shape
-        return dq, dk.view(b, hkv, rep, n, d).sum(2), dv.view(b, hkv, rep, n, d).sum(2)
-    return kernel.bwd(dout, q, k, v, out, lse, aux, causal, scale)
+    if rep == 1 or kernel.native_gqa:
+        return kernel.bwd(dout, q, k, v, out, lse, aux, causal, scale)
+    ke, ve = _expand(k, rep), _expand(v, rep)
+    dq, dk, dv = kernel.bwd(dout, q, ke, ve, out, lse, aux, causal, scale)
+    del ke, ve
+    dk = dk.view(b, hkv, rep, n, d).sum(2)  # [b, hkv·rep, N, d] -> [b, hkv, N, d]
+    dv = dv.view(b, hkv, rep, n, d).sum(2)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------ planning stand-ins
+# What each GPU kernel allocates at this interface (its meta/fake function; TE per its fused_attn.py), made on the
+# inputs' device without computing: the planner runs the op on fake CPU tensors and counts these.
+def _lse(q, n_cols: int, *trailing: int) -> torch.Tensor:  # float32 [b, hq, n_cols, *trailing]
+    return torch.empty((q.shape[0], q.shape[1], n_cols, *trailing), dtype=torch.float32, device=q.device)
+
+
+def _rng(q, *shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.int64, device=q.device)
+
+
+def _bnhd(like: torch.Tensor) -> torch.Tensor:  # like's [b, h, N, d] shape with [b, N, h, d] memory
+    b, h, n, d = like.shape
+    return torch.empty((b, n, h, d), dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def _plan_like_inputs(dout, q, k, v, out, lse, aux, causal, scale):  # sdpa_flash, sdpa_cudnn, flash_attn
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _plan_sdpa_flash_fwd(q, k, v, causal, scale):
+    return torch.empty_like(q), _lse(q, q.shape[2]), (_rng(q, 2), _rng(q))
+
+
+def _plan_sdpa_cudnn_fwd(q, k, v, causal, scale):
+    return torch.empty_like(q), _lse(q, q.shape[2], 1), (_rng(q), _rng(q))
+
+
+def _plan_sdpa_eff_fwd(q, k, v, causal, scale):
+    return _bnhd(q), _lse(q, -(-q.shape[2] // 32) * 32), (_rng(q), _rng(q))
+
+
+def _plan_sdpa_eff_bwd(dout, q, k, v, out, lse, aux, causal, scale):
+    return _bnhd(q), _bnhd(k), _bnhd(v)
+
+
+def _plan_fa_fwd(q, k, v, causal, scale):
+    return torch.empty_like(q), _lse(q, q.shape[2]), _rng(q, 2)
+
+
+def _plan_te_fwd(q, k, v, causal, scale):
+    dense = [_sbhd(t) for t in (q, k, v)]  # the adapter's dense copies (none when the views are dense)
+    stats = _lse(q, q.shape[2], 1)
+    return torch.empty_like(dense[0]).permute(1, 2, 0, 3), stats, [stats, _rng(q, 2)]
+
+
+def _plan_te_bwd(dout, q, k, v, out, lse, aux, causal, scale):
+    dense = [_sbhd(t) for t in (dout, q, k, v, out)]
+    return tuple(torch.empty_like(t).permute(1, 2, 0, 3) for t in dense[1:4])
+
+
+_PLANS: dict[str, tuple[Callable, Callable]] = {
+    "sdpa_flash": (_plan_sdpa_flash_fwd, _plan_like_inputs),
+    "sdpa_cudnn": (_plan_sdpa_cudnn_fwd, _plan_like_inputs),
+    "sdpa_efficient": (_plan_sdpa_eff_fwd, _plan_sdpa_eff_bwd),
+    "flash_attn": (_plan_fa_fwd, _plan_like_inputs),
+    "te_fused": (_plan_te_fwd, _plan_te_bwd),
+}
+
+
+PLAN_AUTO_AS = "sdpa_flash"  # "auto" is planned as sdpa_flash: te_fused and flash_attn allocate the same bytes
+
+
+def planning_kernel(name: str) -> AttentionKernel:
+    """A CPU stand-in for GPU kernel `name` ("auto": PLAN_AUTO_AS) for the planner's fake-tensor step: the same
+    dtype, head-dim and GQA behaviour (K/V expansion included) as `name`, and fwd/bwd that allocate what it
+    allocates at this interface. Kernel-internal workspace is not included (the planner adds it)."""
+    name = PLAN_AUTO_AS if name == "auto" else name
+    if name not in _PLANS:
+        raise ValueError(f"attention kernel {name!r} has no planning stand-in; plan one of {sorted(_PLANS)} or auto")
+    fwd, bwd = _PLANS[name]
+    return dataclasses.replace(KERNELS[name], name=f"{name} (planned)", device_type="cpu", fwd=fwd, bwd=bwd,
+                               library=None, shape_check=None)
