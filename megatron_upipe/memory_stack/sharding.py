@@ -106,3 +106,34 @@ def fsdp_buffer_bytes(fsdp_model) -> dict[str, int]:
             buf = getattr(group, attr, None)
             out[key] += _nbytes(getattr(buf, "data", None)) if buf is not None else 0
     return out
+
+
+def is_fully_sharded(wrapped) -> bool:
+    """Whether the wrapped stage is Megatron-FSDP's (wrap_fully_sharded) rather than megatron-core's DDP."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    return isinstance(wrapped, FullyShardedDataParallel)
+
+
+def fsdp_state_tensors(fsdp_model) -> list[tuple[str, torch.Tensor]]:
+    """This rank's Megatron-FSDP tensors as (kind, tensor): the persistent shards - "params" (compute weights),
+    "main_params" (fp32 main weights) and "main_grads" (fp32 gradients; these two are views of one buffer per
+    dtype) - and the unsharded buckets allocated at this moment: "gathered_params" (all-gathered compute weights;
+    the group of parameters outside the FSDP units stays gathered between steps) and "grad_buckets" (gradients
+    waiting for their reduce-scatter)."""
+    kinds = (("params", "model_weight_buffer", "gathered_params"),
+             ("params", "transpose_weight_buffer", "gathered_params"),
+             ("main_params", "main_weight_buffer", "main_params"),
+             ("main_grads", "main_grad_buffer", "grad_buckets"))
+    out, allocators = [], {}
+    for group in fsdp_model.param_and_grad_buffer.parameter_groups:
+        for kind, attr, bucket_kind in kinds:
+            buf = getattr(group, attr, None)
+            if buf is None:
+                continue
+            if getattr(buf, "data", None) is not None:
+                out.append((kind, buf.data))
+            allocators[id(buf.temporary_bucket_allocator)] = (bucket_kind, buf.temporary_bucket_allocator)
+    for bucket_kind, allocator in allocators.values():
+        out += [(bucket_kind, bucket.data) for bucket in allocator.buckets.values()]
+    return out

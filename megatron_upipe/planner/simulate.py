@@ -29,7 +29,9 @@ from torch.utils._pytree import tree_flatten
 from megatron_upipe.config import Config, validate
 from megatron_upipe.memory.tracker import PeakMemoryTracker
 
-# (path fragment, category), matched against the frames of the allocating call from the innermost outwards.
+FSDP_GATHERED = "fsdp: gathered params"
+FSDP_GRAD_BUCKETS = "fsdp: grad buckets"
+# (path fragment, category), matched against "file:function" of the allocating call's frames, innermost outwards.
 _STACK_RULES = (
     ("megatron_upipe/attention/", "attention"),
     ("megatron_upipe/models/upipe_attention.py", "attention"),
@@ -43,17 +45,22 @@ _STACK_RULES = (
     ("megatron_upipe/models/tiled_norm.py", "norms"),
     ("language_model_embedding.py", "embedding"),
     ("megatron/core/optimizer/", "optimizer"),
+    # Megatron-FSDP's just-in-time buckets (fragments "file:function"): unsharded compute weights all-gathered for
+    # a forward/backward, unsharded fp32 gradient buckets waiting for their reduce-scatter
+    ("megatron_fsdp/param_and_grad_buffer.py:async_bucket_gather", FSDP_GATHERED),
+    ("megatron_fsdp/param_and_grad_buffer.py:main_grad_getter", FSDP_GRAD_BUCKETS),
+    ("megatron_fsdp/param_and_grad_buffer.py:_bucket_group_gradient_reduce", FSDP_GRAD_BUCKETS),
 )
 CATEGORIES = ("params", "grads", "optimizer", "checkpoints", "attention", "mlp", "loss", "norms", "embedding",
-              "other")
+              FSDP_GATHERED, FSDP_GRAD_BUCKETS, "other")
 
 
 def classify_by_stack(_func) -> str:
     frame = sys._getframe(2)
     while frame is not None:
-        name = frame.f_code.co_filename
+        where = f"{frame.f_code.co_filename}:{frame.f_code.co_name}"
         for fragment, category in _STACK_RULES:
-            if fragment in name:
+            if fragment in where:
                 return category
         frame = frame.f_back
     return "other"
@@ -63,7 +70,7 @@ def classify_by_stack(_func) -> str:
 class StepMemory:
     peak_bytes: int  # device: model states + activations at the step's peak (no workspace, no margins)
     breakdown: dict[str, int]  # category -> bytes alive at the peak
-    host_peak_bytes: int  # offloaded checkpoints
+    host_peak_bytes: int  # offloaded checkpoints: the offloader's host pool as allocated
     model_state_bytes: int
     seq_length: int
     num_parameters: int  # this rank's stage
@@ -106,7 +113,64 @@ def allocation_site() -> str:
     return "autograd engine"
 
 
-class _PlannerTracker(PeakMemoryTracker):
+class StorageTracker(PeakMemoryTracker):
+    """A PeakMemoryTracker that also follows in-place storage resizes (`resized`, fed by compat.fsdp.storage_resizes:
+    Megatron-FSDP frees and re-allocates its unsharded buckets that way) and can count one storage under several
+    categories (`track_split`: Megatron-FSDP keeps the fp32 main weights and main gradients in one buffer)."""
+
+    def __init__(self, classify=None) -> None:
+        super().__init__(classify=classify)
+        self._bytes: dict[int, int] = {}  # storage key -> bytes counted now
+        self._split: dict[int, dict[str, int]] = {}  # storage key -> bytes counted under other categories
+
+    def _free(self, key: int, nbytes: int) -> None:
+        nbytes = self._bytes.pop(key, nbytes)
+        primary = self._seen.get(key, "all")
+        for category, part in self._split.pop(key, {}).items():
+            self.live_by_category[category] -= part
+            self.live_by_category[primary] += part
+        super()._free(key, nbytes)
+
+    def track(self, t, name="external", category=None) -> None:
+        st = t.untyped_storage()
+        new = st._cdata not in self._seen
+        super().track(t, name, category)
+        if new:
+            self._bytes[st._cdata] = st.nbytes()
+
+    def track_split(self, t, split: dict[str, int]) -> None:
+        """Count t's storage (if new) under split's categories: the first takes what the others leave."""
+        key = t.untyped_storage()._cdata
+        if key in self._seen:
+            return
+        primary, *_ = split
+        rest = {c: b for c, b in split.items() if c != primary and b}
+        self.track(t, category=primary)
+        for category, part in rest.items():
+            self.live_by_category[primary] -= part
+            self.live_by_category[category] += part
+        self._split[key] = rest
+        if self.classify is not None and self.peak_bytes == self.live_bytes:
+            self.peak_breakdown = {k: v for k, v in self.live_by_category.items() if v}
+
+    def resized(self, t) -> None:
+        """t's storage changed size in place: count its new size (a storage first seen now is tracked now)."""
+        st = t.untyped_storage()
+        key, now = st._cdata, st.nbytes()
+        if key not in self._seen:
+            if now:
+                self.track(t)
+            return
+        delta, self._bytes[key] = now - self._bytes[key], now
+        self.live_bytes += delta
+        self.live_by_category[self._seen[key]] += delta
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            if self.classify is not None:
+                self.peak_breakdown = {k: v for k, v in self.live_by_category.items() if v}
+
+
+class _PlannerTracker(StorageTracker):
     """Also remembers the most bytes alive at any allocation made by the attention op: kernel workspace that the
     tracker cannot see (attention backward) adds to that moment, not to the step's peak elsewhere. Storages of at
     least `named_bytes` get a name (category, allocation site) and the named ones alive at both peaks are kept:
@@ -120,6 +184,7 @@ class _PlannerTracker(PeakMemoryTracker):
         self._named: dict[int, tuple[str, str, int]] = {}  # storage key -> (category, site, bytes)
         self.peak_named: list[tuple[str, str, int]] = []
         self.attention_peak_named: list[tuple[str, str, int]] = []
+        self._sites: dict[int, str] = {}  # allocation site of a storage resized in place (kept while it is empty)
 
     def _free(self, key: int, nbytes: int) -> None:
         self._named.pop(key, None)
@@ -147,6 +212,22 @@ class _PlannerTracker(PeakMemoryTracker):
         if key in self._named:
             self._named[key] = (category, *self._named[key][1:])
 
+    def resized(self, t) -> None:
+        st = t.untyped_storage()
+        key, now, peak_before = st._cdata, st.nbytes(), self.peak_bytes
+        known = key in self._seen
+        super().resized(t)
+        if not (self.named_bytes and known):
+            return
+        if key in self._named:
+            self._sites[key] = self._named[key][1]
+        if now < self.named_bytes:
+            self._named.pop(key, None)
+        else:
+            self._named[key] = (self._seen[key], self._sites.get(key) or allocation_site(), now)
+        if self.peak_bytes > peak_before:
+            self.peak_named = list(self._named.values())
+
 
 def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool,
                  named_bytes: int = 0) -> StepMemory:
@@ -162,12 +243,13 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     recompute = None if config.memory.recompute == "none" else config.memory.recompute
     tconfig = llama_transformer_config(plan.arch, layout, dtype=torch.bfloat16 if bf16 else torch.float32,
                                        init_method_std=config.model.init_method_std, recompute_granularity=recompute)
-    stage = build_llama(plan.arch, layout, pg, vocab_size=vocab_size, config=tconfig, **_memory_kwargs(config))
+    stage = build_llama(plan.arch, layout, pg, vocab_size=vocab_size, config=tconfig,
+                        **_memory_kwargs(config, plan, bf16))
     ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
     with _symmetric_object_collectives() if planning else nullcontext():
         optimizer, _ = build_optimizer(ddp, tconfig, config, planning=planning)
-    with _PlannerTracker(named_bytes) as mem:
-        state_bytes = register_model_states(mem, stage.model, ddp, optimizer)
+    mem = _PlannerTracker(named_bytes)
+    with tracked_step(mem, stage.model, ddp, optimizer) as state_bytes:
         moments = _materialise_adam(mem, optimizer)  # alive through every step after the first
         state_bytes += sum(m.untyped_storage().nbytes() for m in moments)
         handles = _retag_layer_inputs(stage.model, mem)
@@ -313,40 +395,79 @@ def _uncoalesced_grad_collectives():
         pgb._coalescing_manager = original
 
 
-def _memory_kwargs(config: Config) -> dict:
-    """build_llama's memory switches, as the training job sets them, with host copies only counted."""
+def _memory_kwargs(config: Config, plan, bf16: bool) -> dict:
+    """build_llama's memory switches, as the training job sets them (rank 0: pipeline stage 0), with host copies
+    only counted."""
     from megatron_upipe.memory_stack.offload import SimulatedHostOffloader
     from megatron_upipe.training.build import memory_switches
 
-    return memory_switches(config, SimulatedHostOffloader)
+    return memory_switches(config, plan, bf16, SimulatedHostOffloader)
 
 
 def _host_peak(stage) -> int:
+    """Host bytes the offloader holds at most, as allocated: its whole pool (plus any copy that missed it)."""
     offloader = getattr(stage, "offloader", None)
-    return 0 if offloader is None else offloader.peak_bytes
+    return 0 if offloader is None else offloader.reserved_peak_bytes
 
 
-def register_model_states(mem: PeakMemoryTracker, model, ddp, optimizer) -> int:
+@contextmanager
+def tracked_step(mem: StorageTracker, model, ddp, optimizer):
+    """`mem` running with the model states registered and Megatron-FSDP's in-place storage resizes followed (what
+    the planner's simulation and the training job's CPU memory check both track); yields the state bytes."""
+    from megatron_upipe.compat.fsdp import storage_resizes
+
+    with mem, storage_resizes(mem.resized):
+        yield register_model_states(mem, model, ddp, optimizer)
+
+
+# Megatron-FSDP's tensors (memory_stack.sharding.fsdp_state_tensors kinds) -> breakdown categories
+_FSDP_KINDS = {"params": "params", "main_params": "optimizer", "main_grads": "grads",
+               "gathered_params": FSDP_GATHERED, "grad_buckets": FSDP_GRAD_BUCKETS}
+
+
+def register_model_states(mem: StorageTracker, model, ddp, optimizer) -> int:
     """Count the stage's parameters, gradient buffers and optimizer tensors (made before tracking) as model
-    states; returns their bytes."""
+    states - megatron-core DDP's buffers, or Megatron-FSDP's sharded buffers and whichever unsharded buckets are
+    allocated now; returns their bytes."""
+    from megatron_upipe.memory_stack.sharding import fsdp_state_tensors, is_fully_sharded
+
     before = mem.live_bytes
-    for buffer in getattr(ddp, "buffers", []):
-        if getattr(buffer, "param_data", None) is not None:
-            mem.track(buffer.param_data, category="params")
-        if getattr(buffer, "grad_data", None) is not None:
-            mem.track(buffer.grad_data, category="grads")
-    for p in model.parameters():
-        mem.track(p, category="params")
-        if getattr(p, "main_grad", None) is not None:
-            mem.track(p.main_grad, category="grads")
+    if is_fully_sharded(ddp):
+        _register_fsdp_states(mem, fsdp_state_tensors(ddp))
+    else:
+        for buffer in ddp.buffers:
+            if getattr(buffer, "param_data", None) is not None:
+                mem.track(buffer.param_data, category="params")
+            if getattr(buffer, "grad_data", None) is not None:
+                mem.track(buffer.grad_data, category="grads")
+        for p in model.parameters():
+            mem.track(p, category="params")
+            if getattr(p, "main_grad", None) is not None:
+                mem.track(p.main_grad, category="grads")
     for inner in _torch_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
-                mem.track(p, category="optimizer")  # fp32 main weights (bf16 runs) or the params themselves
+                mem.track(_local(p), category="optimizer")  # fp32 main weights (bf16 runs) or the params themselves
                 for moment in inner.state.get(p, {}).values():  # Adam's moments, after the first step
                     if isinstance(moment, torch.Tensor) and moment.dim() > 0:
-                        mem.track(moment, category="optimizer")
+                        mem.track(_local(moment), category="optimizer")
     return mem.live_bytes - before
+
+
+def _register_fsdp_states(mem: StorageTracker, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Each storage once, its bytes split over the categories of the views into it (one fp32 buffer holds the
+    main weights and the main gradients)."""
+    storages: dict[int, tuple[torch.Tensor, dict[str, int]]] = {}
+    for kind, t in tensors:
+        category = _FSDP_KINDS[kind]
+        _, split = storages.setdefault(t.untyped_storage()._cdata, (t, {}))
+        split[category] = split.get(category, 0) + t.numel() * t.element_size()
+    for t, split in storages.values():
+        mem.track_split(t, split)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor (Megatron-FSDP) -> this rank's part
 
 
 def _torch_optimizers(optimizer) -> list:
@@ -362,7 +483,7 @@ def _materialise_adam(mem: PeakMemoryTracker, optimizer) -> list[torch.Tensor]:
         for group in inner.param_groups:
             for p in group["params"]:
                 for _ in range(2):
-                    t = torch.zeros_like(p, dtype=torch.float32)
+                    t = torch.zeros_like(_local(p), dtype=torch.float32)
                     mem.retag(t, "optimizer")
                     moments.append(t)
     return moments

@@ -64,11 +64,10 @@ class MeasuredPeak:
             torch.cuda.synchronize(self.device)
             self.result = {"bytes": int(torch.cuda.max_memory_allocated(self.device)), "kind": "cuda_max_allocated"}
             return
-        from megatron_upipe.memory.tracker import PeakMemoryTracker
-        from megatron_upipe.planner.simulate import register_model_states
+        from megatron_upipe.planner.simulate import StorageTracker, tracked_step
 
-        with PeakMemoryTracker() as mem:
-            register_model_states(mem, self.state.model, self.state.ddp, self.state.optimizer)
+        mem = StorageTracker()
+        with tracked_step(mem, self.state.model, self.state.ddp, self.state.optimizer):
             yield self
         self.result = {"bytes": mem.peak_bytes, "kind": "tracked"}
 
