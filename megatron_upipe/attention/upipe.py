@@ -332,17 +332,56 @@ def _norm_backward(dxn: torch.Tensor, xin: _Rows, dtype):
     return dx, dw.to(xin.norm_w.dtype)
 
 
+def _split_tensors(obj, tensors: list):
+    """obj (nested tuples/lists) with every tensor moved into `tensors` and replaced by its index there."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_split_tensors(o, tensors) for o in obj)
+    return obj
+
+
+def _join_tensors(obj, tensors):
+    """Inverse of `_split_tensors`."""
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_join_tensors(o, tensors) for o in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+_N_FIXED = 10  # x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin
+
+
 class UPipeFunction(torch.autograd.Function):
     """(x, w_q, w_k, w_v, w_o or None, norm_w or None, cos, sin, op) -> out [s, b, H·d], or out @ w_o^T [s, b, D]
-    with w_o; with norm_w, x is the input of the fused RMSNorm."""
+    with w_o; with norm_w, x is the input of the fused RMSNorm.
+
+    Every tensor backward needs goes through ctx.save_for_backward: the inputs, rstd, the output buffer, each
+    stage's lse, the tensors inside the kernels' aux and, for Ulysses, the head-layout q, k, v, out. So saved-tensor
+    hooks (activation offload) see them all and backward can run again with retain_graph=True; only non-tensor aux
+    (ints, the layout of the aux) stays on ctx. Backward then asks autograd to drop its references at once
+    (ctx.maybe_clear_saved_tensors, a no-op when the graph is retained), so that Ulysses' head tensors still die
+    stage by stage inside upipe_backward rather than at the end of the node."""
 
     @staticmethod
     def forward(ctx, x, w_q, w_k, w_v, w_o, norm_w, rope_cos, rope_sin, op: StageOp):
         rope = None if rope_cos is None else (rope_cos, rope_sin)
         rstd = None if norm_w is None else _norm_rstd(x.reshape(-1, x.shape[-1]), op)  # [s·b, 1] float32
         out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op, norm_w, rstd)
-        ctx.save_for_backward(x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin)
-        ctx.lses, ctx.auxes, ctx.saved, ctx.op = lses, auxes, saved, op
+        aux_tensors: list[torch.Tensor] = []
+        ctx.aux_layout = _split_tensors(auxes, aux_tensors)
+        ctx.n_stages, ctx.n_aux, ctx.op = len(lses), len(aux_tensors), op
+        heads = [t for stage in saved for t in stage]  # (q, k, v, o) per stage, Ulysses only
+        ctx.save_for_backward(x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin, *lses, *aux_tensors,
+                              *heads)
+        del saved, heads
         if w_o is None:
             return out
         s, b, _ = out.shape
@@ -350,13 +389,21 @@ class UPipeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin = ctx.saved_tensors
+        tensors = list(ctx.saved_tensors)
+        clear = getattr(ctx, "maybe_clear_saved_tensors", None)  # torch >= 2.2; without it, heads live to the end
+        if clear is not None:
+            clear()
+        x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin = tensors[:_N_FIXED]
+        S, A = ctx.n_stages, ctx.n_aux
+        lses = tensors[_N_FIXED:_N_FIXED + S]
+        auxes = _join_tensors(ctx.aux_layout, tensors[_N_FIXED + S:_N_FIXED + S + A])
+        heads = tensors[_N_FIXED + S + A:]
+        saved = [tuple(heads[i:i + 4]) for i in range(0, len(heads), 4)]  # consumed (and freed) stage by stage
+        del tensors, heads
         rope = None if rope_cos is None else (rope_cos, rope_sin)
         needs_dw = any(ctx.needs_input_grad[1:6])
-        saved, ctx.saved = ctx.saved, None
         dx, dw_norm, dw_q, dw_k, dw_v, dw_o = upipe_backward(
-            grad, x, w_q, w_k, w_v, out, ctx.lses, ctx.auxes, saved, rope, ctx.op, needs_dw, w_o=w_o,
+            grad, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, ctx.op, needs_dw, w_o=w_o,
             norm_w=norm_w, rstd=rstd,
         )
-        ctx.lses = ctx.auxes = None
         return dx, dw_q, dw_k, dw_v, dw_o, dw_norm, None, None, None
