@@ -10,15 +10,23 @@
 #   RUN_DIR         run directory (default: runs/<config name>-<date-time>); log.metrics_file goes there
 #   NPROC_PER_NODE  ranks (default: the GPUs nvidia-smi lists)
 #   MASTER_PORT     rendezvous port (default: 29500)
-#   VENV            virtual environment to activate if present (default: .venv; VENV=none for none)
+#   VENV            virtual environment to activate if present (default: .venv, made by tools/setup_env.sh;
+#                   VENV=none to use the python and torchrun on PATH, e.g. in an NGC container)
 #   PYTHON          interpreter that resolves the config (default: python)
 #   EXTRA_ARGS      extra pretrain_llama.py flags, e.g. --dry-run to test the launch without training
+# The config is checked before torchrun starts, against NPROC_PER_NODE ranks on this machine (--check-machine:
+# e.g. dist.backend=nccl without GPUs is refused here, in one line); nothing is written to RUN_DIR unless it passes.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 if [ "$VENV" != none ] && [ -f "$VENV/bin/activate" ]; then source "$VENV/bin/activate"; fi
 PYTHON=${PYTHON:-python}
+if ! command -v torchrun >/dev/null || ! command -v "$PYTHON" >/dev/null; then
+  echo "error: no torchrun/$PYTHON found (VENV=$VENV): create .venv with 'bash tools/setup_env.sh', or set VENV to" \
+       "an environment with megatron_upipe installed (VENV=none: the one on PATH)" >&2
+  exit 2
+fi
 CONFIG=${CONFIG:-examples/configs/llama3_8b_upipe_8xh100.yaml}
 RUN_DIR=${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)-$(date +%Y%m%d-%H%M%S)}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
@@ -36,14 +44,18 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # 
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLS multicast buffers cost GBs per communicator; all-to-all never uses them (the planner's NCCL margin assumes off)
 
-# The resolved config, overrides included, is the run's record and its only input.
-mkdir -p "$RUN_DIR"
+# The resolved config, overrides included, is the run's record and its only input: written to a temporary file,
+# checked, and only then moved into the run directory.
 OVERRIDES=(
   "log.metrics_file=$RUN_DIR/metrics.jsonl"
   "$@"
 )
-"$PYTHON" pretrain_llama.py --config "$CONFIG" "${OVERRIDES[@]}" --print-config >"$RUN_DIR/config.yaml"
-"$PYTHON" pretrain_llama.py --config "$RUN_DIR/config.yaml" --dry-run --world-size "$NPROC_PER_NODE"
+resolved=$(mktemp "${TMPDIR:-/tmp}/config.XXXXXX.yaml")
+trap 'rm -f "$resolved"' EXIT
+"$PYTHON" pretrain_llama.py --config "$CONFIG" "${OVERRIDES[@]}" --print-config >"$resolved"
+"$PYTHON" pretrain_llama.py --config "$resolved" --dry-run --world-size "$NPROC_PER_NODE" --check-machine
+mkdir -p "$RUN_DIR"
+mv "$resolved" "$RUN_DIR/config.yaml"
 
 TORCHRUN_ARGS=(
   --nnodes 1

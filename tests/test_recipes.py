@@ -224,7 +224,10 @@ def test_sbatch_recipe_refuses_before_launching(case, tmp_path):
 def test_single_node_recipe(tmp_path):
     fakes = Fakes(tmp_path)
     run_dir = tmp_path / "run"
-    r = fakes.run(SINGLE_NODE, "train.steps=3", FAKE_GPUS="8", RUN_DIR=str(run_dir), EXTRA_ARGS="--dry-run")
+    # The GPU recipe with fake GPUs on this machine: its pre-flight --check-machine would refuse NCCL and ZeRO-1
+    # without CUDA (tests/test_cli_errors.py), so those two run on gloo here.
+    r = fakes.run(SINGLE_NODE, "train.steps=3", "dist.backend=gloo", "train.distributed_optimizer=false",
+                  FAKE_GPUS="8", RUN_DIR=str(run_dir), EXTRA_ARGS="--dry-run")
     assert r.returncode == 0, r.stdout + r.stderr
     assert fakes.calls("srun") == []
     (torchrun,) = fakes.calls("torchrun")
