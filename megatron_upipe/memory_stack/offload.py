@@ -5,30 +5,44 @@ Everything this project moves off the accelerator goes through a `HostOffloader`
     handle = offloader.to_host(t)      # device tensor -> HostCopy (t itself may then be freed)
     t2 = offloader.to_device(handle)   # HostCopy -> a new tensor on t's device, equal to t bit for bit
     offloader.live_bytes, offloader.peak_bytes   # host bytes alive now / at most (a HostCopy frees when dropped)
-    offloader.reserved_peak_bytes                # at most, as the host allocator holds them (pinned: power of 2)
+    offloader.reserved_peak_bytes                # at most, as allocated: the whole pool, plus any copy beside it
 
 Where the copy lives:
-- CUDA tensor: a pinned host buffer while `pinned_budget_bytes` allows and pinning succeeds, else pageable memory.
-  The device->host copy runs on a side stream (ordered after the producer by `wait_stream`, the source kept alive
-  for the allocator by `record_stream`); `to_device` makes the current stream wait for that copy's event and copies
-  back asynchronously. [Unverified: no GPU where this was written; the CUDA branch is `_cuda_to_host` /
+- `HostOffloader(pool_bytes=N)` (what training builds, N planned by host_budget.offload_pool_bytes): a range of one
+  host buffer of exactly N bytes, allocated at construction, pinned in place on CUDA (pinned_pool.HostPool: no
+  power-of-two rounding, no cached blocks; pageable with one logged line where pinning is unavailable or fails).
+  Freed ranges are reused by the next copies; the pool never grows. A tensor that finds no room (the plan missed
+  it) is copied to pageable memory beside the pool, logged once and counted in `ledger.pool_misses`.
+- `HostOffloader()` (no pool): one host allocation per tensor, pinned through torch's caching host allocator on
+  CUDA (each block a power of two, see pinned_block_bytes). Kept as the reference the pool is tested against.
+- CUDA tensor: the device->host copy runs on a side stream (ordered after the producer by `wait_stream`, the
+  source kept alive for the allocator by `record_stream`, and after the device reads of a reused pool range by
+  their events); `to_device` makes the current stream wait for that copy's event and copies back asynchronously
+  from pinned memory. [Unverified: no GPU where this was written; the CUDA branch is `_cuda_to_host` /
   `_cuda_to_device` and nothing else.]
-- CPU tensor (this project's GPU-less machines): a plain copy. "Host" and "device" are the same RAM there, so the
-  copy is made with torch's dispatch modes switched off: a storage-tracking `PeakMemoryTracker` (device memory)
-  then never counts host copies, exactly as it would not count them on a GPU. Fake tensors stay fake.
+- CPU tensor (this project's GPU-less machines): a plain copy into the pool range (or a clone). "Host" and "device"
+  are the same RAM there, so the copy is made with torch's dispatch modes switched off: a storage-tracking
+  `PeakMemoryTracker` (device memory) then never counts host copies, exactly as it would not count them on a GPU.
+  Fake tensors stay fake (a fake copy; with a pool its range is still taken, so the ledger is the same).
 
 For the memory planner: the ledger is the host side; device memory is whatever its tracker sees. To simulate
-without copying (e.g. at full scale under FakeTensorMode), swap in `SimulatedHostOffloader`, which keeps only shape,
-dtype and device, counts the same bytes, and hands back an uninitialised tensor of the same shape in `to_device`.
+without copying (e.g. at full scale under FakeTensorMode), swap in `SimulatedHostOffloader(pool_bytes=N)`, which
+keeps only shape, dtype and device, runs the same range allocator over no memory, counts the same bytes (the pool
+as reserved from the start), and hands back an uninitialised tensor of the same shape in `to_device`.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from megatron_upipe.memory_stack.pinned_pool import HostPool, Range, RangeAllocator, _size
+
+log = logging.getLogger(__name__)
 
 
 def storage_bytes(t: torch.Tensor) -> int:
@@ -42,53 +56,85 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length()
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or t.device.type == "meta"
+
+
 @dataclass
 class HostLedger:
     live_bytes: int = 0  # host bytes held by HostCopy objects alive now (the tensors' own sizes)
     peak_bytes: int = 0
-    reserved_bytes: int = 0  # what the host allocator holds for them: pinned blocks rounded up to a power of two
+    reserved_bytes: int = 0  # host memory held for them: the pool (all of it, from the start) + copies beside it
     reserved_peak_bytes: int = 0
-    pinned_reserved_bytes: int = 0  # the pinned part of reserved_bytes (CUDA only)
     live_copies: int = 0
     total_copies: int = 0  # to_host calls since creation
+    pool_misses: int = 0  # copies that found no room in the pool (and went to pageable memory beside it)
 
-    def add(self, nbytes: int, pinned: bool) -> None:
-        reserved = pinned_block_bytes(nbytes) if pinned else nbytes
+    def reserve(self, nbytes: int) -> None:
+        self.reserved_bytes += nbytes
+        self.reserved_peak_bytes = max(self.reserved_peak_bytes, self.reserved_bytes)
+
+    def add(self, nbytes: int, reserved: int) -> None:
         self.live_bytes += nbytes
-        self.reserved_bytes += reserved
-        self.pinned_reserved_bytes += reserved if pinned else 0
         self.live_copies += 1
         self.total_copies += 1
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self.reserved_peak_bytes = max(self.reserved_peak_bytes, self.reserved_bytes)
+        self.reserve(reserved)
 
-    def free(self, nbytes: int, pinned: bool) -> None:
-        reserved = pinned_block_bytes(nbytes) if pinned else nbytes
+    def free(self, nbytes: int, reserved: int) -> None:
         self.live_bytes -= nbytes
         self.reserved_bytes -= reserved
-        self.pinned_reserved_bytes -= reserved if pinned else 0
         self.live_copies -= 1
 
 
 class HostCopy:
-    """A tensor's copy in host memory (or, simulated, only its description). Dropping it frees the ledger entry."""
+    """A tensor's copy in host memory (or, simulated, only its description). Dropping it frees the ledger entry
+    and its pool range."""
 
-    __slots__ = ("host", "shape", "dtype", "device", "nbytes", "pinned", "event", "__weakref__")
+    __slots__ = ("host", "shape", "dtype", "device", "nbytes", "pinned", "event", "slot", "__weakref__")
 
-    def __init__(self, host, shape, dtype, device, nbytes, pinned=False, event=None):
+    def __init__(self, host, shape, dtype, device, nbytes, pinned=False, event=None, slot: Range | None = None):
         self.host, self.shape, self.dtype, self.device = host, shape, dtype, device
-        self.nbytes, self.pinned, self.event = nbytes, pinned, event
+        self.nbytes, self.pinned, self.event, self.slot = nbytes, pinned, event, slot
+
+
+class _OffsetsOnly:
+    """A HostPool's bookkeeping without its memory (SimulatedHostOffloader): the same allocator, no buffer."""
+
+    pinned = False
+
+    def __init__(self, nbytes: int) -> None:
+        self.allocator = RangeAllocator(nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.allocator.capacity
+
+    def take(self, nbytes: int, dtype, shape):
+        offset = self.allocator.take(nbytes)
+        return None if offset is None else (Range(offset, nbytes), None)
+
+    def give(self, r: Range) -> None:
+        self.allocator.give(r.offset, r.nbytes)
 
 
 class HostOffloader:
     """Copies tensors to host memory and back, counting the host bytes alive (see the module docstring)."""
 
-    def __init__(self, pinned_budget_bytes: int | None = None) -> None:
-        """pinned_budget_bytes: most pinned bytes (as reserved, see pinned_block_bytes) alive at once (None: no
-        limit); copies beyond it go to pageable memory (synchronous, slower, no rounding)."""
+    def __init__(self, pool_bytes: int | None = None, pin: bool = True) -> None:
+        """pool_bytes: the host bytes of the offloaded tensors alive at once (host_budget.offload_pool_bytes), held
+        as one buffer allocated now; None: one host allocation per copy (the unpooled reference). pin: pin the
+        pool (CUDA only; False keeps it pageable)."""
         self.ledger = HostLedger()
-        self.pinned_budget_bytes = pinned_budget_bytes
+        self.pool = None if pool_bytes is None else self._make_pool(pool_bytes, pin)
+        if self.pool is not None:
+            self.ledger.reserve(self.pool.nbytes)
         self._stream = None  # CUDA side stream for device->host copies, made on first use
+
+    def _make_pool(self, nbytes: int, pin: bool):
+        return HostPool(nbytes, pin=pin)
 
     @property
     def live_bytes(self) -> int:
@@ -102,45 +148,82 @@ class HostOffloader:
     def reserved_peak_bytes(self) -> int:
         return self.ledger.reserved_peak_bytes
 
+    @property
+    def pool_bytes(self) -> int:
+        return 0 if self.pool is None else self.pool.nbytes
+
     def reset_peak(self) -> None:
         self.ledger.peak_bytes = self.ledger.live_bytes
         self.ledger.reserved_peak_bytes = self.ledger.reserved_bytes
 
     def to_host(self, t: torch.Tensor) -> HostCopy:
         nbytes = storage_bytes(t)
-        if t.device.type == "cuda":
-            host, pinned, event = self._cuda_to_host(t, nbytes)
-        else:
-            with _disable_current_modes():  # host memory is not device memory: hide it from dispatch-mode trackers
+        slot, host = self._take(nbytes, t)
+        if _is_fake(t):  # shapes only (planning): a fake copy; a pool range is still taken above
+            with _disable_current_modes():
                 host = t.detach().clone(memory_format=torch.contiguous_format)
             pinned, event = False, None
-        return self._register(HostCopy(host, t.shape, t.dtype, t.device, nbytes, pinned, event))
+        elif t.device.type == "cuda":
+            host, pinned, event = self._cuda_to_host(t, nbytes, host, slot)
+        else:
+            with _disable_current_modes():  # host memory is not device memory: hide it from dispatch-mode trackers
+                if host is None:
+                    host = t.detach().clone(memory_format=torch.contiguous_format)
+                else:
+                    host.copy_(t.detach())
+            pinned, event = False, None
+        reserved = 0 if slot is not None else pinned_block_bytes(nbytes) if pinned else nbytes
+        return self._register(HostCopy(host, t.shape, t.dtype, t.device, nbytes, pinned, event, slot), reserved)
 
     def to_device(self, copy: HostCopy) -> torch.Tensor:
-        if copy.device.type == "cuda":
+        if copy.device.type == "cuda" and not _is_fake(copy.host):
             return self._cuda_to_device(copy)
         return copy.host.clone()  # a new device-side tensor: counted by a tracker like any activation
 
-    def _register(self, copy: HostCopy) -> HostCopy:
-        self.ledger.add(copy.nbytes, copy.pinned)
-        weakref.finalize(copy, self.ledger.free, copy.nbytes, copy.pinned)
+    def _take(self, nbytes: int, t: torch.Tensor):
+        """(pool range, tensor over it) for a copy of `t`, or (None, None): no pool, or no room in it."""
+        if self.pool is None:
+            return None, None
+        got = self.pool.take(nbytes, t.dtype, t.shape)
+        if got is None:
+            self.ledger.pool_misses += 1
+            if self.ledger.pool_misses == 1:
+                log.warning(f"host offload pool ({_size(self.pool.nbytes)}, {self.ledger.live_copies} "
+                            f"copies alive) has no room for a {tuple(t.shape)} {t.dtype} tensor: it and any later "
+                            f"misses go to pageable memory beside the pool (the pool's plan, "
+                            f"host_budget.offload_pool_bytes, missed them)")
+            return None, None
+        return got
+
+    def _register(self, copy: HostCopy, reserved: int) -> HostCopy:
+        self.ledger.add(copy.nbytes, reserved)
+        weakref.finalize(copy, self._release, copy.nbytes, reserved, copy.slot)
         return copy
 
+    def _release(self, nbytes: int, reserved: int, slot: Range | None) -> None:
+        self.ledger.free(nbytes, reserved)
+        if slot is not None:
+            self.pool.give(slot)
+
     # --- CUDA (unverified here) ---------------------------------------------------------------------------------
-    def _cuda_to_host(self, t: torch.Tensor, nbytes: int):
-        pinned = (self.pinned_budget_bytes is None
-                  or self.ledger.pinned_reserved_bytes + pinned_block_bytes(nbytes) <= self.pinned_budget_bytes)
-        host = None
-        if pinned:
+    def _cuda_to_host(self, t: torch.Tensor, nbytes: int, host: torch.Tensor | None, slot: Range | None):
+        if host is not None:  # a pool range
+            pinned = self.pool.pinned
+        elif self.pool is None:  # unpooled: torch's caching host allocator, else pageable
             try:
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            except RuntimeError:  # pinned memory exhausted: fall back to pageable
-                pinned = False
+                host, pinned = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True), True
+            except RuntimeError:  # pinned memory exhausted
+                host, pinned = None, False
+        else:  # the pool had no room (logged): pageable beside it
+            pinned = False
         if host is None:
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=t.device)
         self._stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written
+        if slot is not None:
+            for ev in self.pool.fences_over(slot):  # device reads of this range's previous tensors are done
+                self._stream.wait_event(ev)
         with torch.cuda.stream(self._stream):
             host.copy_(t, non_blocking=pinned)
             event = torch.cuda.Event()
@@ -149,16 +232,29 @@ class HostOffloader:
         return host, pinned, event
 
     def _cuda_to_device(self, copy: HostCopy) -> torch.Tensor:
+        stream = torch.cuda.current_stream(copy.device)
         if copy.event is not None:
-            torch.cuda.current_stream(copy.device).wait_event(copy.event)
-        return copy.host.to(copy.device, non_blocking=copy.pinned)
+            stream.wait_event(copy.event)
+        out = copy.host.to(copy.device, non_blocking=copy.pinned)
+        if copy.slot is not None and copy.pinned:  # the range is not to be rewritten before this read is done
+            done = torch.cuda.Event()
+            done.record(stream)
+            copy.slot.fences.append(done)
+        return out
 
 
 class SimulatedHostOffloader(HostOffloader):
-    """Same ledger, no data: for memory planning (fake tensors, meta shapes). Round trips lose the values."""
+    """Same ledger and pool allocator, no data: for memory planning (fake tensors, meta shapes). Round trips lose
+    the values."""
+
+    def _make_pool(self, nbytes: int, pin: bool):
+        return _OffsetsOnly(nbytes)
 
     def to_host(self, t: torch.Tensor) -> HostCopy:
-        return self._register(HostCopy(None, t.shape, t.dtype, t.device, storage_bytes(t)))
+        nbytes = storage_bytes(t)
+        slot, _ = self._take(nbytes, t)
+        return self._register(HostCopy(None, t.shape, t.dtype, t.device, nbytes, slot=slot),
+                              0 if slot is not None else nbytes)
 
     def to_device(self, copy: HostCopy) -> torch.Tensor:
         return torch.empty(copy.shape, dtype=copy.dtype, device=copy.device)
