@@ -286,11 +286,15 @@ class MemoryConfig:
     # resolved config at start-up (seconds on CPU, about a minute for an 8B model) and the run measures its second
     # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).
     plan_check: bool = False
+    # Host RAM per node in GiB, checked at start-up against the planned host memory (offload pool, checkpoint staging,
+    # stated margins; megatron_upipe/memory_stack/host_budget.py). null = this machine's RAM at start-up (the cgroup
+    # limit where lower); the memory planner then assumes 2048 (a DGX H100/H200 node).
+    host_mem_gib: float | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
         _refuse([
-            *_positive(self, "mlp_chunks", "loss_chunks"),
+            *_positive(self, "mlp_chunks", "loss_chunks", "host_mem_gib"),
             (self.offload_checkpoints and self.recompute != "full",
              f"memory.offload_checkpoints=true offloads the layer inputs that full recompute saves, but "
              f"memory.recompute={self.recompute}: set memory.recompute=full or memory.offload_checkpoints=false"),

@@ -14,12 +14,14 @@ import torch
 
 from megatron_upipe.config import Config, Plan
 from megatron_upipe.data.tokenizers import Tokenizer
+from megatron_upipe.memory_stack.host_budget import host_memory_refusal, offload_pool_bytes
 from megatron_upipe.memory_stack.offload import HostOffloader
 from megatron_upipe.models.llama import LlamaStage, build_llama, llama_transformer_config
 from megatron_upipe.training import checkpointing
 from megatron_upipe.training.data import RunData, build_run_data, build_run_tokenizer, model_vocab_size
 from megatron_upipe.training.metrics import MetricsLogger, NullLogger, model_flops_per_token
-from megatron_upipe.training.optim import build_optimizer, check_distributed_optimizer, wrap_model
+from megatron_upipe.training.optim import (UnsupportedOnThisMachine, build_optimizer, check_distributed_optimizer,
+                                           wrap_model)
 from megatron_upipe.training.setup import Groups
 
 
@@ -81,24 +83,30 @@ def resume_source(config: Config) -> Path | None:
     return None
 
 
-def memory_switches(config: Config, offloader_cls=HostOffloader) -> dict:
+def memory_switches(config: Config, plan: Plan, bf16: bool, offloader_cls=HostOffloader, pp_rank: int = 0) -> dict:
     """build_llama's keyword arguments for the memory.* switches (also the memory planner's, which passes a
-    SimulatedHostOffloader)."""
+    SimulatedHostOffloader). The offloader's host pool holds exactly the layer inputs of pipeline stage `pp_rank`
+    alive at once (memory_stack/host_budget.py)."""
     m = config.memory
+    pool = offload_pool_bytes(config, plan, 2 if bf16 else 4, pp_rank)
     return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks, "attention_grad_accum": m.attention_grad_accum,
-            "offloader": offloader_cls() if m.offload_checkpoints else None}
+            "offloader": offloader_cls(pool_bytes=pool) if m.offload_checkpoints else None}
 
 
 def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
     check_distributed_optimizer(config)
     tokenizer = build_run_tokenizer(config, plan)
     vocab = model_vocab_size(tokenizer, config)
+    refusal = host_memory_refusal(config, plan, vocab, bf16=use_bf16(config), device=groups.device,
+                                  world_size=groups.world_size)
+    if refusal is not None:  # before the model and the host pool are allocated
+        raise UnsupportedOnThisMachine(refusal)
     recompute = None if config.memory.recompute == "none" else config.memory.recompute
     tconfig = llama_transformer_config(plan.arch, groups.layout, dtype=torch.bfloat16 if use_bf16(config) else
                                        torch.float32, init_method_std=config.model.init_method_std,
                                        recompute_granularity=recompute)
     stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
-                        **memory_switches(config))
+                        **memory_switches(config, plan, use_bf16(config), pp_rank=groups.pg.pp.rank()))
     ddp = wrap_model(stage.model, tconfig, config)
     optimizer, scheduler = build_optimizer(ddp, tconfig, config)
     data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device)

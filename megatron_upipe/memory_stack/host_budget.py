@@ -1,0 +1,220 @@
+"""Host memory per rank and per node, planned from the config before anything is allocated, and the start-up check
+against `memory.host_mem_gib`.
+
+Legend: L layers of a pipeline stage, s sequence length, C context-parallel size, b micro-batch size, D hidden
+size, P parameters of a rank's stage (tensor-parallel shards), p bytes of a parameter (2 bf16, 4 fp32).
+
+Per rank (`HostPlan.breakdown`):
+  offload pool        memory.offload_checkpoints: the one host buffer of the offloader (pinned_pool.HostPool), exactly
+                      the layer inputs alive at once: L x micro-batches in flight (1 without pipelining; the 1F1B
+                      schedule keeps min(pp - stage, micro-batches) on a stage) x [s/C (/tp with sequence
+                      parallelism), b, D] in the activation dtype, each range rounded up to pinned_pool.ALIGN.
+  checkpoint staging  checkpoint.dir set: a save first copies this rank's model states to host memory
+                      (training/checkpointing.py):
+                      - "fsdp_per_rank" (memory.shard_model_states): `.cpu()` copies of the local buffer slices
+                        (params, fp32 main params) and of Adam's two fp32 moments, all alive together in the dict that
+                        torch.save writes. Pageable, exact: (p + 4 + 8) x P / (dp x C) bytes (no main copy at p = 4).
+                      - "dist_checkpointing": megatron-core's FileSystemWriterAsync.preload_tensors copies each tensor
+                        the rank writes with `.to("cpu", non_blocking=True)`, which allocates pinned memory from
+                        torch's caching host allocator: each tensor rounded up to a power of two, and those blocks
+                        stay cached after the save (so they count for the rest of the run). Counted as rank 0 saves
+                        (it holds replica 0 of every weight): each weight of the stage in its dtype, and its fp32 main
+                        copy and two moments (sharded over dp x C with the distributed optimizer), each rounded.
+  margin: process     the process itself (HostMargins, stated): torch/CUDA/NCCL libraries and their host buffers, the
+                      data loader.
+Per node: per rank x ranks on the node (every rank counted as pipeline stage 0, the one with the most in flight)
++ margin: os.
+
+Capacity: memory.host_mem_gib (per node). Unset: at start-up this machine's RAM (physical pages, or the cgroup's
+memory limit where lower); in the memory planner PLANNER_HOST_GIB (a DGX H100/H200 node's 2 TiB).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_upipe.memory_stack.pinned_pool import aligned
+
+if TYPE_CHECKING:
+    from megatron_upipe.config import Config, Plan
+
+GIB = 1 << 30
+PLANNER_HOST_GIB = 2048.0  # host RAM per node the planner assumes when memory.host_mem_gib is unset (DGX H100/H200)
+PLANNER_RANKS_PER_NODE = 8  # GPUs per node the planner assumes (DGX/HGX H100, H200, B200)
+
+
+@dataclass(frozen=True)
+class HostMargins:
+    """Host memory outside the plan's tensors, stated rather than measured."""
+
+    process_cuda_bytes: int = 6 * GIB  # one CUDA rank: torch, CUDA runtime, cuBLAS/cuDNN/NCCL and their host buffers
+    process_cpu_bytes: int = GIB  # one CPU rank (gloo; this project's test machines)
+    os_fraction: float = 0.02  # of the node's RAM, for the kernel, page tables of pinned memory, daemons
+    os_min_bytes: int = 2 * GIB
+
+    def process_bytes(self, cuda: bool) -> int:
+        return self.process_cuda_bytes if cuda else self.process_cpu_bytes
+
+    def os_bytes(self, host_mem_bytes: int) -> int:
+        return max(self.os_min_bytes, int(host_mem_bytes * self.os_fraction))
+
+
+def machine_host_bytes() -> int:
+    """This machine's RAM: physical pages, or the cgroup (v2, then v1) memory limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def ranks_on_this_node(world_size: int) -> int:
+    """LOCAL_WORLD_SIZE (torchrun sets it), else the whole world (every rank on this machine: the safe guess)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+
+
+def layers_in_flight(config: "Config", plan: "Plan", pp_rank: int = 0) -> int:
+    """Layer inputs a rank of pipeline stage `pp_rank` holds at once: L x micro-batches in flight."""
+    pp = config.parallel.pp
+    in_flight = 1 if pp == 1 else min(pp - pp_rank, plan.num_microbatches)
+    return plan.arch.num_layers // pp * in_flight
+
+
+def layer_input_bytes(config: "Config", plan: "Plan", dtype_bytes: int) -> int:
+    """One transformer layer's input on a rank: [s/C (/tp with sequence parallelism), b, D]."""
+    p = config.parallel
+    tokens = plan.seq_per_cp_rank // (p.tp if p.sequence_parallel else 1)
+    return tokens * plan.micro_batch_size * plan.arch.hidden_size * dtype_bytes
+
+
+def offload_pool_bytes(config: "Config", plan: "Plan", dtype_bytes: int, pp_rank: int = 0) -> int:
+    """The offload pool of a rank of stage `pp_rank` (0 without memory.offload_checkpoints); see the docstring."""
+    if not config.memory.offload_checkpoints:
+        return 0
+    return layers_in_flight(config, plan, pp_rank) * aligned(layer_input_bytes(config, plan, dtype_bytes))
+
+
+def stage_weight_numels(config: "Config", plan: "Plan", vocab_size: int, pp_rank: int = 0) -> list[int]:
+    """Elements of each weight tensor of a rank of stage `pp_rank` (its tensor-parallel shards)."""
+    a, tp, pp = plan.arch, config.parallel.tp, config.parallel.pp
+    D, d, h, g, F = a.hidden_size, a.kv_channels, a.num_attention_heads, a.num_query_groups, a.ffn_hidden_size
+    layer = [(h + 2 * g) * d // tp * D, D * (h * d // tp), 2 * F // tp * D, D * (F // tp), D, D]  # qkv, proj,
+    out = layer * (a.num_layers // pp)  # fc1, fc2, the two norms
+    step = math.lcm(config.model.make_vocab_size_divisible_by, tp)  # the padded embedding rows, over tp
+    vocab = -(-vocab_size // step) * step // tp
+    if pp_rank == 0:
+        out.append(vocab * D)  # embedding
+    if pp_rank == pp - 1:
+        out += [vocab * D, D]  # output layer (untied), final norm
+    return out
+
+
+def checkpoint_staging_bytes(config: "Config", plan: "Plan", vocab_size: int, param_bytes: int,
+                             pp_rank: int = 0) -> int:
+    """Host bytes a checkpoint save stages on a rank (0 without checkpoint.dir); see the module docstring."""
+    if config.checkpoint.dir is None:
+        return 0
+    numels = stage_weight_numels(config, plan, vocab_size, pp_rank)
+    main = 4 if param_bytes != 4 else 0  # fp32 main params beside 16-bit ones
+    shards = plan.dp * config.parallel.cp
+    if config.memory.shard_model_states:  # fsdp_per_rank: pageable, exact sizes
+        return -(-sum(numels) // shards) * (param_bytes + main + 8)
+    opt_shards = shards if config.train.distributed_optimizer else 1
+    pinned = 0
+    for n in numels:
+        pinned += _pow2(n * param_bytes)
+        pinned += (3 if main else 2) * _pow2(-(-n // opt_shards) * 4)
+    return pinned
+
+
+def _pow2(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    offload_pool_bytes: int  # per rank
+    checkpoint_staging_bytes: int  # per rank
+    process_bytes: int  # per rank (margin)
+    ranks_per_node: int
+    os_bytes: int  # per node (margin)
+    host_mem_bytes: int  # capacity per node
+    capacity_source: str  # where host_mem_bytes came from
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return self.offload_pool_bytes + self.checkpoint_staging_bytes + self.process_bytes
+
+    @property
+    def per_node_bytes(self) -> int:
+        return self.per_rank_bytes * self.ranks_per_node + self.os_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.per_node_bytes <= self.host_mem_bytes
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """Per rank, by name (the planner's host breakdown)."""
+        return {"offload pool": self.offload_pool_bytes, "checkpoint staging": self.checkpoint_staging_bytes,
+                "margin: process": self.process_bytes}
+
+    def summary(self) -> str:
+        return (f"host {self.per_rank_bytes / GIB:.1f} GiB per rank (offload pool {self.offload_pool_bytes / GIB:.1f}"
+                f" + checkpoint staging {self.checkpoint_staging_bytes / GIB:.1f} + process "
+                f"{self.process_bytes / GIB:.1f}), {self.per_node_bytes / GIB:.1f} GiB per node of "
+                f"{self.ranks_per_node} ranks (+ os {self.os_bytes / GIB:.1f}) of {self.host_mem_bytes / GIB:.1f} "
+                f"GiB ({self.capacity_source})")
+
+    def refusal(self) -> str:
+        """The one-line error when the plan does not fit."""
+        return (f"host memory does not fit: {self.summary()}. Set memory.host_mem_gib to the node's RAM if it has "
+                f"more; otherwise shorten train.seq_length, spread the job over more nodes (fewer ranks per node, a "
+                f"larger parallel.cp), or set memory.offload_checkpoints=false (checkpoint.dir unset removes the "
+                f"staging)")
+
+
+def plan_host_memory(config: "Config", plan: "Plan", vocab_size: int, *, bf16: bool, cuda: bool,
+                     ranks_per_node: int, host_mem_bytes: int | None = None, capacity_source: str | None = None,
+                     margins: HostMargins = HostMargins()) -> HostPlan:
+    """The host plan of `config` (every rank counted as pipeline stage 0). Capacity: memory.host_mem_gib if set,
+    else `host_mem_bytes` (the caller's default: this machine's RAM at start-up, PLANNER_HOST_GIB in the planner)."""
+    width = 2 if bf16 else 4
+    if config.memory.host_mem_gib is not None:
+        capacity, source = int(config.memory.host_mem_gib * GIB), f"memory.host_mem_gib={config.memory.host_mem_gib:g}"
+    else:
+        capacity = machine_host_bytes() if host_mem_bytes is None else host_mem_bytes
+        source = capacity_source or ("this machine's RAM; memory.host_mem_gib unset" if host_mem_bytes is None
+                                     else "memory.host_mem_gib unset")
+    return HostPlan(offload_pool_bytes(config, plan, width), checkpoint_staging_bytes(config, plan, vocab_size, width),
+                    margins.process_bytes(cuda), ranks_per_node, margins.os_bytes(capacity), capacity, source)
+
+
+def host_memory_refusal(config: "Config", plan: "Plan", vocab_size: int, *, bf16: bool, device,
+                        world_size: int) -> str | None:
+    """The start-up check (every rank, before the model or the pool is allocated): None when the host plan fits on
+    every node, else the one-line error. One all-reduce, so every rank reaches the same verdict."""
+    import torch
+    import torch.distributed as dist
+
+    host = plan_host_memory(config, plan, vocab_size, bf16=bf16, cuda=device.type == "cuda",
+                            ranks_per_node=ranks_on_this_node(world_size))
+    everywhere = host.fits
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([int(host.fits)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        everywhere = bool(flag.item())
+    if everywhere:
+        return None
+    if host.fits:
+        return (f"host memory does not fit on another node (its ranks say why; here: {host.summary()}): set "
+                f"memory.host_mem_gib to the smallest node's RAM and follow the fix there")
+    return host.refusal()
