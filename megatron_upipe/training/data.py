@@ -4,9 +4,11 @@ Every rank reads the micro-batches of its DP rank (TP and PP peers read the same
 its CP rank's share of each sequence (`megatron_upipe.cp_batch`, the split the layer spec asks for). Shapes:
 micro-batch [b, s] from the dataset -> [b, s/C] after the split (tokens, labels, loss_mask, position_ids).
 
-Sample counts: train = train.steps x global batch; valid = train.eval_iters x global batch, and every evaluation
-reads the same first eval_iters global batches of the validation split (comparable eval losses, and nothing to
-resume). The index cache goes to `cache_dir(config)`.
+Sample counts: train = train.steps x global batch, read in an order that does not depend on train.steps
+(`megatron_upipe.data.sample_order`: megatron's dataset is built for one epoch, read again in a seeded order per
+epoch), so a run extended by raising train.steps reads the same samples for the steps the shorter run planned;
+valid = train.eval_iters x global batch, and every evaluation reads the same first eval_iters global batches of the
+validation split (comparable eval losses, and nothing to resume). The index cache goes to `cache_dir(config)`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from megatron_upipe.config import Config, Plan
 from megatron_upipe.cp_batch import split_batch
 from megatron_upipe.data.datasets import GPTDataConfig, build_gpt_datasets, micro_batches
+from megatron_upipe.data.sample_order import EpochOrder
 from megatron_upipe.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -72,17 +75,28 @@ class RunData:
             yield {k: v.to(self.device, non_blocking=True) for k, v in local.items()}
 
 
-def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str,
-                   device: torch.device = torch.device("cpu")) -> RunData:
+def build_run_datasets(config: Config, plan: Plan, tokenizer: Tokenizer) -> tuple[EpochOrder, object | None]:
+    """(train, valid): train.steps x global batch training samples in the steps-independent order, and the
+    validation samples of train.eval_iters global batches (None when train.eval_interval=0)."""
     t = config.train
     data_config = GPTDataConfig(data_path=(config.data.path,), seq_length=t.seq_length, seed=t.seed,
                                 split=tuple(config.data.split))
     n_valid = t.eval_iters * plan.global_batch_size if t.eval_interval > 0 else None
-    sets = build_gpt_datasets(data_config, tokenizer, (t.steps * plan.global_batch_size, n_valid, None),
-                              cache_dir(config))
+    # Training split: None = megatron's dataset over one epoch of the training documents (data.path is one prefix
+    # or mock; a weighted blend, which megatron sizes by sample count, is not expressible in the config).
+    sets = build_gpt_datasets(data_config, tokenizer, (None, n_valid, None), cache_dir(config))
+    if sets.train is None:
+        raise ValueError(f"data.split={config.data.split} gives the training split no documents: raise its first "
+                         f"weight")
     if t.eval_interval > 0 and (sets.valid is None or len(sets.valid) < n_valid):
         raise ValueError(f"train.eval_iters={t.eval_iters} x global batch {plan.global_batch_size} needs {n_valid} "
                          f"validation samples; data.split={config.data.split} gives "
                          f"{0 if sets.valid is None else len(sets.valid)}")
-    return RunData(sets.train, sets.valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp,
+    return EpochOrder(sets.train, t.steps * plan.global_batch_size, t.seed), sets.valid
+
+
+def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str,
+                   device: torch.device = torch.device("cpu")) -> RunData:
+    train, valid = build_run_datasets(config, plan, tokenizer)
+    return RunData(train, valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp,
                    config.data.num_workers, device)
