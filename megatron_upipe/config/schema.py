@@ -220,6 +220,10 @@ class CheckpointConfig:
     load: str | None = None  # initialise from this checkpoint when not resuming
     resume: bool | Literal["auto"] = "auto"  # auto = resume from dir if it holds a checkpoint; true = must
     keep_last: int | None = None  # keep only the newest N checkpoints; null = keep all
+    # The LR schedule (lr, min_lr, warmup, decay steps and style) after loading a checkpoint: "checkpoint" keeps the
+    # one saved in it (Megatron-LM's --use-checkpoint-opt_param-scheduler), "config" takes this config's
+    # (--override-opt_param-scheduler), e.g. to decay over a raised train.steps. The run logs which is in effect.
+    scheduler: Literal["checkpoint", "config"] = "checkpoint"
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -25,6 +25,7 @@ from megatron_upipe.training.console import optional_kernels_line
 from megatron_upipe.training.failures import as_distributed_failure, check_step
 from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step_record
 from megatron_upipe.training.optim import current_lr
+from megatron_upipe.training.schedule import schedule_line
 
 
 _forward_step = forward_step  # looked up at call time (tests poison it to inject a non-finite loss)
@@ -115,6 +116,7 @@ def _run(state) -> None:
     log.message(optional_kernels_line())
     if state.resumed_from is not None:
         log.message(f"resumed from {state.resumed_from} at step {state.step} ({state.consumed_samples} samples)")
+        log.message(schedule_line(state.scheduler, cfg))
     peak_flops = device_peak_flops(groups.device)
     predicted, measure_step = None, state.step + 2  # the run's second step: Adam's moments exist, as planned
     if cfg.memory.plan_check and groups.rank == 0:

@@ -5,7 +5,8 @@ The schedule is megatron-core's `OptimizerParamScheduler` counted in optimizer s
 default) down to `train.min_lr` at `train.lr_decay_steps` (default `train.steps`). It is advanced *before* each
 optimizer step, so step k (1-based) runs at the LR of position k: the first step does not waste itself at LR 0. On
 resume the schedule's settings come from the checkpoint (megatron-core's `use_checkpoint_opt_param_scheduler`), so
-a changed train.steps / lr / warmup does not bend the curve of a resumed run.
+a changed train.steps / lr / warmup does not bend the curve of a resumed run, unless `checkpoint.scheduler=config`
+(schedule.py; the run logs which schedule is in effect).
 
 The distributed optimizer (ZeRO-1 over dp x cp) is used when `train.distributed_optimizer=true`. megatron-core
 cannot *load* its checkpoints without TransformerEngine or apex, neither of which exists on CPU: there the option is
@@ -60,7 +61,8 @@ def build_optimizer(ddp, tconfig, config: Config, *, planning: bool = False):
     configuration on a CPU machine under a fake process group: the distributed optimizer is allowed (the planner
     never saves a checkpoint) and megatron's auxiliary gloo groups are not used (a fake group cannot make them)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_upipe.training.schedule import build_scheduler
 
     if not planning:
         check_distributed_optimizer(config)
@@ -73,13 +75,7 @@ def build_optimizer(ddp, tconfig, config: Config, *, planning: bool = False):
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=not planning)
     tconfig.grad_scale_func = optimizer.scale_loss  # 1.0 for fp32 / bf16 (no loss scaling)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
-        lr_decay_steps=t.decay_steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
-        end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
-    )
-    return optimizer, scheduler
+    return optimizer, build_scheduler(optimizer, config)
 
 
 def current_lr(optimizer) -> float:
