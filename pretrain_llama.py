@@ -27,7 +27,9 @@ Launch:
 
 Exit status: 0 on success; 2 for a configuration error (the same message on every rank) or an unusable checkpoint
 (another model shape or tokenizer, none where checkpoint.resume=true); 3 when train.nan_policy=stop met a non-finite
-loss or gradient (the message names the step); 4 when another rank died or did not answer within dist.timeout_s.
+loss or gradient (the message names the step); 4 when another rank died or did not answer within dist.timeout_s;
+5 when SIGTERM or SIGUSR1 stopped the run at a step boundary after saving a checkpoint (checkpoint.save_on_signal;
+relaunch the same command to resume).
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def run_job(config: Config, plan: Plan) -> int:
     from megatron_upipe.training.failures import DistributedFailure, NonFiniteError
     from megatron_upipe.training.optim import UnsupportedOnThisMachine
     from megatron_upipe.training.setup import teardown
+    from megatron_upipe.training.signals import EXIT_STOPPED, StoppedBySignal
 
     from megatron_upipe.training.console import quiet_third_party
 
@@ -137,6 +140,10 @@ def run_job(config: Config, plan: Plan) -> int:
     except (CheckpointError, UnsupportedOnThisMachine, NonFiniteError) as e:  # every rank reaches the same verdict
         print(f"pretrain_llama.py: rank {groups.rank}: {e}", file=sys.stderr, flush=True)
         code = 3 if isinstance(e, NonFiniteError) else 2
+    except StoppedBySignal as e:  # every rank stopped after the same step, its checkpoint published
+        if groups.rank == 0:
+            print(f"pretrain_llama.py: {e}", file=sys.stderr, flush=True)
+        code = EXIT_STOPPED
     except DistributedFailure as e:  # peers are gone or hung: no collective clean-up
         print(f"pretrain_llama.py: {e}", file=sys.stderr, flush=True)
         return 4

@@ -216,7 +216,13 @@ class DataConfig:
 class CheckpointConfig:
     section: ClassVar[str] = "checkpoint"
     dir: str | None = None  # where checkpoints are saved (and resumed from)
-    interval: int = 0  # steps between saves; 0 = never
+    interval: int = 0  # steps between periodic saves; 0 = none (the end-of-run save is save_final)
+    # With checkpoint.dir: save when the run reaches train.steps (unless that step was just saved). Never saving at
+    # all: interval=0, save_final=false, save_on_signal=false (or checkpoint.dir=null).
+    save_final: bool = True
+    # With checkpoint.dir: on SIGTERM or SIGUSR1 (pre-emption, Slurm's --signal=USR1@<seconds>) finish the step,
+    # save, and exit with code 5 (training/signals.py). false: the signals keep their default action (exit at once).
+    save_on_signal: bool = True
     load: str | None = None  # initialise from this checkpoint when not resuming
     resume: bool | Literal["auto"] = "auto"  # auto = resume from dir if it holds a checkpoint; true = must
     keep_last: int | None = None  # keep only the newest N checkpoints; null = keep all
@@ -228,7 +234,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _refuse([
-            (self.interval < 0, f"checkpoint.interval={self.interval} must be >= 0 (0 = never save)"),
+            (self.interval < 0, f"checkpoint.interval={self.interval} must be >= 0 (0 = no periodic saves)"),
             (self.interval > 0 and self.dir is None,
              f"checkpoint.interval={self.interval} saves checkpoints but checkpoint.dir is null: set checkpoint.dir"),
             (self.resume is True and self.dir is None, "checkpoint.resume=true needs checkpoint.dir"),

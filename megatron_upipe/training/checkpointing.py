@@ -53,6 +53,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_upipe.training.signals import blocked_in_children
+
 META = "train_state.json"
 LATEST = "latest"
 FORMAT_DIST = "dist_checkpointing"  # also what a checkpoint without a "format" field is
@@ -392,7 +394,8 @@ def save_checkpoint(state, root: str | Path, keep_last: int | None = None, befor
     else:
         from megatron.core import dist_checkpointing
 
-        dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(tmp))
+        with blocked_in_children():  # the writer's helper process, started on the first save, ignores stop signals
+            dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
     dist.barrier()  # every rank's shards and RNG file are on disk

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from megatron_upipe.training.failures import as_distributed_failure, check_step
 from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step_record
 from megatron_upipe.training.optim import current_lr
 from megatron_upipe.training.schedule import schedule_line
+from megatron_upipe.training.signals import StopOnSignal, StoppedBySignal
 
 
 _forward_step = forward_step  # looked up at call time (tests poison it to inject a non-finite loss)
@@ -88,17 +90,30 @@ def evaluate(state) -> dict:
     return {"step": state.step, "loss": sums[0] / max(sums[1], 1), "tokens": sums[1]}
 
 
-def _save(state) -> None:
+def _save(state):
     c = state.config.checkpoint
     path = checkpointing.save_checkpoint(state, c.dir, keep_last=c.keep_last)
     state.last_saved_step = state.step
     state.logger.checkpoint(state.step, path)
+    return path
+
+
+def _stop(state, signum: int) -> None:
+    """Every rank agreed on a stop signal after this step: save it (unless just saved) and raise StoppedBySignal."""
+    c = state.config.checkpoint
+    path = _save(state) if state.last_saved_step != state.step else Path(c.dir) / checkpointing.checkpoint_name(
+        state.step)
+    raise StoppedBySignal(signum, state.step, state.config.train.steps, path)
 
 
 def run(state) -> None:
-    """Train from state.step to train.steps with evaluation, metrics and checkpoints."""
+    """Train from state.step to train.steps with evaluation, metrics and checkpoints; with checkpoint.dir and
+    checkpoint.save_on_signal, SIGTERM / SIGUSR1 stop it at a step boundary with a checkpoint (signals.py)."""
+    c = state.config.checkpoint
+    stop = StopOnSignal() if c.dir is not None and c.save_on_signal else None
     try:
-        _run(state)
+        with stop or nullcontext():
+            _run(state, stop)
     except Exception as exc:
         failure = as_distributed_failure(exc, state.groups.rank, state.step + 1, state.config.dist.timeout_s)
         if failure is not None:
@@ -106,7 +121,7 @@ def run(state) -> None:
         raise
 
 
-def _run(state) -> None:
+def _run(state, stop: StopOnSignal | None = None) -> None:
     cfg, plan, groups = state.config, state.plan, state.groups
     t, c = cfg.train, cfg.checkpoint
     log = state.logger
@@ -117,6 +132,10 @@ def _run(state) -> None:
     if state.resumed_from is not None:
         log.message(f"resumed from {state.resumed_from} at step {state.step} ({state.consumed_samples} samples)")
         log.message(schedule_line(state.scheduler, cfg))
+    if state.step >= t.steps:
+        log.message(f"nothing to do: checkpoint at step {state.step} >= train.steps={t.steps}; raise train.steps to "
+                    f"continue")
+        return
     peak_flops = device_peak_flops(groups.device)
     predicted, measure_step = None, state.step + 2  # the run's second step: Adam's moments exist, as planned
     if cfg.memory.plan_check and groups.rank == 0:
@@ -145,8 +164,8 @@ def _run(state) -> None:
         final = state.step == t.steps
         if t.eval_interval > 0 and (state.step % t.eval_interval == 0 or final):
             log.log(evaluate(state), kind="eval")
-        if c.dir is not None and ((c.interval > 0 and state.step % c.interval == 0) or final):
+        if c.dir is not None and ((c.interval > 0 and state.step % c.interval == 0) or (final and c.save_final)):
             _save(state)
-    if c.dir is not None and state.last_saved_step != state.step:  # e.g. resumed at train.steps
-        _save(state)
+        if stop is not None and not final and (signum := stop.agreed(groups.device)):
+            _stop(state, signum)
     log.summary()
