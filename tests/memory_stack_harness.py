@@ -28,6 +28,8 @@ class MemoryRunResult:
     host_end: int  # after the last step (0: every host copy was freed)
     state_bytes: dict[str, int] = field(default_factory=dict)  # this rank's persistent model/optimizer state bytes
     param_dtypes: tuple = ()  # dtypes of the compute parameters
+    host_reserved: tuple = ()  # per step: host bytes the offloader holds after it (a pool: all of it, always)
+    pool_misses: int = 0  # copies that found no room in the offloader's pool
 
 
 def portable(result: MemoryRunResult) -> MemoryRunResult:
@@ -38,8 +40,9 @@ def portable(result: MemoryRunResult) -> MemoryRunResult:
 
 
 def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
-                      recompute: bool = False, offload: bool = False, shard: bool = False,
+                      recompute: bool = False, offload=False, shard: bool = False,
                       bf16: bool = False, num_microbatches: int = 1) -> MemoryRunResult:
+    """offload: True (an unpooled HostOffloader) or a function of the pp rank returning the offloader."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -62,7 +65,8 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         config = llama_transformer_config(arch, layout, dtype=dtype,
                                           recompute_granularity="full" if recompute else None)
         stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config,
-                            offloader=HostOffloader() if offload else None)
+                            offloader=offload(pg.pp.rank()) if callable(offload) else
+                            HostOffloader() if offload else None)
         offloader = stage.offloader
         offset = get_transformer_layer_offset(config, pp_rank=pg.pp.rank())
         load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)
@@ -98,7 +102,7 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
             return out, _loss_func
 
         forward_backward = get_forward_backward_func()
-        losses, grads, peaks = [], None, []
+        losses, grads, peaks, reserved = [], None, [], []
         for step in range(steps):
             wrapped.zero_grad_buffer()
             optimizer.zero_grad()
@@ -115,12 +119,13 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
                 grads = _gather_stage([(n, p.main_grad) for n, p in stage.model.named_parameters()], arch, vocab,
                                       pg, offset)
             optimizer.step()
+            reserved.append(offloader.ledger.reserved_bytes if offloader else 0)
         state = optimizer_state_bytes(optimizer)
         if shard:
             state.update({f"buffer_{k}": v for k, v in fsdp_buffer_bytes(wrapped).items()})
         dtypes = tuple(sorted({str(p.dtype) for p in stage.model.parameters()}))
         return MemoryRunResult(losses, grads, peaks, probe["device"], probe["host"],
                                offloader.peak_bytes if offloader else 0, offloader.live_bytes if offloader else 0,
-                               state, dtypes)
+                               state, dtypes, tuple(reserved), offloader.ledger.pool_misses if offloader else 0)
     finally:
         destroy_parallel()
