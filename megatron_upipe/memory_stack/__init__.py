@@ -1,15 +1,18 @@
 """Memory switches around megatron-core: host offload of checkpointed layer inputs, fully sharded model states.
 
 offload.py             HostOffloader: the one device<->host road, with a ledger of host bytes (live, peak, reserved)
+pinned_pool.py         its one host buffer per rank: exact size, pinned in place, sliced into the offloaded tensors
+host_budget.py         host bytes per rank and node (pool, checkpoint staging, margins); memory.host_mem_gib check
 checkpoint_offload.py  full recompute with the saved layer inputs kept on the host (saved-tensor hooks)
 sharding.py            model states (params, fp32 main params, grads, Adam) sharded over dp x cp (Megatron-FSDP)
 
-Config -> code: memory.offload_checkpoints -> `build_llama(..., offloader=HostOffloader())` (the stage keeps it as
-`LlamaStage.offloader`); memory.shard_model_states -> `wrap_fully_sharded(module, tconfig)` instead of megatron-core's
-DistributedDataParallel, and the optimizer built with `use_distributed_optimizer=True`.
+Config -> code: memory.offload_checkpoints -> `build_llama(..., offloader=HostOffloader(pool_bytes=N))`, N from
+host_budget.offload_pool_bytes (the stage keeps it as `LlamaStage.offloader`); memory.host_mem_gib -> the start-up
+check host_budget.host_memory_refusal; memory.shard_model_states -> `wrap_fully_sharded(module, tconfig)` instead of
+megatron-core's DistributedDataParallel, and the optimizer built with `use_distributed_optimizer=True`.
 
-For the memory planner (rank 0's model on fake tensors): pass `offloader=SimulatedHostOffloader()` (or the real one:
-both work on fake tensors and agree) and read `stage.offloader.peak_bytes` (host) /
-`.reserved_peak_bytes` (host, pinned blocks rounded to powers of two as torch's host allocator does); a
-PeakMemoryTracker then sees device memory only: host copies are made outside dispatch modes.
+For the memory planner (rank 0's model on fake tensors): pass `offloader=SimulatedHostOffloader(pool_bytes=N)` (or
+the real one: both work on fake tensors and agree) and read `stage.offloader.peak_bytes` (host bytes alive) /
+`.reserved_peak_bytes` (host bytes as allocated: the pool); a PeakMemoryTracker then sees device memory only: host
+copies are made outside dispatch modes.
 """
