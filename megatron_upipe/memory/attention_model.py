@@ -15,6 +15,8 @@ per rank in a round, w KV heads one stage attends to per rank.
   O   = s·b·H·d·e   the output buffer (saved; W_O needs it anyway);  L = b·(H/C)·N·l all stages' lse
   DX  = s·b·D·a, DW = (H + 2G)·d·D·e the gradients returned;  R = RoPE cos + sin tables of the s local positions
 With C = 1 the all-to-alls are no-ops and their receive buffers vanish (rc = 0).
+A kernel without native GQA (`native_gqa=False`, e.g. sdpa_efficient) gets a call's K/V expanded to its m query
+heads (2 Xq, alive during the kernel) and returns dK/dV expanded too (2 Xq instead of 2 Xw) when m > w.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ def _phase(name: str, **terms: int) -> MemoryEstimate:
 
 
 def attention_memory(shape: AttentionShape, heads_per_stage: int | None = None, ulysses: bool = False,
-                     kernel_workspace: int = 0) -> MemoryEstimate:
-    """Peak of forward + backward for UPipe (U = heads_per_stage, None = smallest legal) or plain Ulysses."""
+                     kernel_workspace: int = 0, native_gqa: bool = True) -> MemoryEstimate:
+    """Peak of forward + backward for UPipe (U = heads_per_stage, None = smallest legal) or plain Ulysses, with a
+    kernel that takes GQA natively or (native_gqa=False) gets K/V expanded to the query heads."""
     H, G, C, d, D, b, N = (shape.num_heads, shape.num_kv_heads, shape.cp, shape.head_dim, shape.hidden,
                            shape.batch, shape.seq_len)
     sched = make_schedule(H, G, C, H if ulysses else heads_per_stage)
@@ -70,6 +73,7 @@ def attention_memory(shape: AttentionShape, heads_per_stage: int | None = None, 
     spr = S // len(sched.round_kv_heads)  # stages per KV round
     rc = 1 if C > 1 else 0
     Xq, Xkv, Xw = sb * U * d * e, sb * C * n * d * e, N * b * w * d * e
+    kv_exp = 2 * Xq if not native_gqa and m > w else 0  # K/V expanded to the call's m query heads
     Akv = Xkv // e * a
     Wu, Wkv = U * d * D * e, C * n * d * D * e
     O, Ls, R = sb * H * d * e, b * m * N * lse, (2 * s * (rot // 2) * e if rot else 0)
@@ -83,7 +87,8 @@ def attention_memory(shape: AttentionShape, heads_per_stage: int | None = None, 
         # forward (last round / last stage: the saved lse list is longest there)
         _phase("fwd: project V of the last round", out=O, rope=R, lse=lse_round, k=Xkv, w_kv=Wkv, v_buffers=2 * Xkv),
         _phase("fwd: project q of the last stage", out=O, rope=R, lse=lse_last, kv=2 * Xkv, w_q_rows=Wu, q_buffers=2 * Xq),
-        _phase("fwd: attention of the last stage", out=O, rope=R, lse=L, kv=2 * Xkv, q=Xq, o=Xq, workspace=ws),
+        _phase("fwd: attention of the last stage", out=O, rope=R, lse=L, kv=2 * Xkv, q=Xq, o=Xq, workspace=ws,
+               kv_expanded=kv_exp),
         _phase("fwd: output all-to-all of the last stage", out=O, rope=R, lse=L, kv=2 * Xkv, o=Xq, o_recv=rc * Xq,
                saved_q=Xq if ulysses else 0),
     ]
@@ -106,7 +111,8 @@ def attention_memory(shape: AttentionShape, heads_per_stage: int | None = None, 
     rows_dx = sb * D * e if e < 4 else 0  # 16-bit: dx partial product before the float32 accumulate
     phases += [
         _phase("bwd: gather dout", **stage, q=Xq, o=Xq, do_send=Xq, do_recv=rc * Xq),
-        _phase("bwd: attention backward", **stage, q=Xq, o=Xq, do=Xq, dq=Xq, dkv=2 * Xw, workspace=ws),
+        _phase("bwd: attention backward", **stage, q=Xq, o=Xq, do=Xq, dq=Xq, dkv=0 if kv_exp else 2 * Xw,
+               dkv_expanded=kv_exp, kv_expanded=kv_exp, workspace=ws),
         _phase("bwd: dq all-to-all and inverse RoPE", **stage, dq=Xq, dq_recv=rc * Xq, dq_rows=Xq),
         _phase("bwd: dx and dW_Q products", **stage, dq_rows=Xq, partial=max(rows_dx, Wu)),
     ]
@@ -126,6 +132,7 @@ def attention_memory(shape: AttentionShape, heads_per_stage: int | None = None, 
 # Buffers whose size is one stage's heads (Xq or Wu): the part UPipe shrinks by U / H.
 CHUNKED_TERMS = frozenset({
     "q", "o", "do", "dq", "q_buffers", "o_send", "o_recv", "do_send", "do_recv", "dq_recv", "dq_rows", "w_q_rows",
+    "kv_expanded", "dkv_expanded",
 })
 
 

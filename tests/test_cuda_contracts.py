@@ -1,0 +1,263 @@
+"""GPU contracts checked on a machine without a GPU: the op on fake CUDA tensors at Llama3-8B shapes.
+
+`FakeTensorMode` makes CUDA tensors without a GPU, and aten's CUDA attention ops have meta kernels, so the op's
+forward and its explicit backward (called as `out.grad_fn.apply(dy)`: the autograd engine itself cannot run on fake
+CUDA) run end to end on them, over torch's fake process group of 8 ranks (one process plays rank 0; all-to-alls
+return correctly shaped buffers). One spawned process does all of it (the fake group must be its only group).
+
+Checked for every CUDA kernel that runs under fake tensors here (sdpa_flash, sdpa_efficient, sdpa_cudnn; flash-attn
+>= 2.7 too where installed, through its registered fake; TransformerEngine has no fake implementation and is
+checked on a GPU by tools/gpu_check.sh), at H 32, H_kv 8, d 128, D 4096, N = 1M tokens over C = 8:
+1. every output and gradient of the op (grouped weight views of one fused QKV weight, with W_O and the fused
+   input norm, both grad_accum modes; the natural-weight API without them): shape, dtype, device, contiguity;
+   UPipe at U = 8 and 16 and Ulysses;
+2. each kernel call at the stage's real views: out like q, lse float32 in the kernel's own shape (flash [b, h, N],
+   efficient [b, h, N padded to 32], cuDNN [b, h, N, 1]), dq like q, dK/dV with the KV heads (not expanded);
+3. the planner's stand-in for the kernel (`planning_kernel`, run on fake CPU tensors as the planner runs the op)
+   allocates the same outputs (shape, dtype, strides) as the kernel's meta function, and the op's tracked peak
+   with it equals the op's tracked peak with the CUDA kernel;
+4. the closed-form memory model counts the K/V expansion of kernels without native GQA (sdpa_efficient): tracked
+   peaks with the stand-ins (real CPU tensors, C = 1 and 2) within 1% of `attention_memory(native_gqa=...)`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_helper import run_on_ranks
+
+H, G, d, D, C = 32, 8, 128, 4096, 8
+N = 1 << 20
+LSE_SHAPES = {"sdpa_flash": lambda b, h, n: (b, h, n), "sdpa_efficient": lambda b, h, n: (b, h, -(-n // 32) * 32),
+              "sdpa_cudnn": lambda b, h, n: (b, h, n, 1), "flash_attn": lambda b, h, n: (b, h, n)}
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.stride()
+
+
+def _fake_kernels() -> tuple[list[str], dict[str, str]]:
+    from megatron_upipe.attention.kernels import KERNELS
+
+    names, skipped = [], {}
+    for name in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn", "te_fused"):
+        reason = KERNELS[name].unsupported_reason("cuda", torch.bfloat16, d)
+        api = KERNELS[name].library() if KERNELS[name].library else None
+        if reason:
+            skipped[name] = reason
+        elif name == "te_fused":
+            skipped[name] = "TransformerEngine's fused attention has no fake-tensor implementation"
+        elif name == "flash_attn" and getattr(api, "lse_index", 1) != 1:
+            skipped[name] = f"{api.describe()} registers no fake implementation (flash-attn >= 2.7 does)"
+        else:
+            names.append(name)
+    return names, skipped
+
+
+def _inputs(device, s, b=1, fused=True):
+    """x [s, b, D]; grouped views of one fused weight [G·(g+2)·d, D] (as the model passes them); w_o; norm_w."""
+    g = H // G
+    mk = dict(device=device, dtype=torch.bfloat16)
+    x = torch.empty(s, b, D, **mk).requires_grad_()
+    qkv = torch.empty(G * (g + 2) * d, D, **mk).requires_grad_()
+    w = qkv.view(G, g + 2, d, D)
+    w_o = torch.empty(D, H * d, **mk).requires_grad_()
+    norm_w = torch.empty(D, **mk).requires_grad_()
+    rope = torch.empty(s, 1, 1, d, device=device, dtype=torch.float32)  # this rank's positions
+    if fused:
+        return x, (w[:, :g], w[:, g], w[:, g + 1]), w_o, norm_w, rope
+    return x, (torch.empty(H * d, D, **mk).requires_grad_(), torch.empty(G * d, D, **mk).requires_grad_(),
+               torch.empty(G * d, D, **mk).requires_grad_()), None, None, rope
+
+
+def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False):
+    """Run the op forward and its backward function; (problems, tracked peak or None)."""
+    from megatron_upipe.attention import api
+    from megatron_upipe.memory.tracker import PeakMemoryTracker
+
+    s = N // C
+    x, (wq, wk, wv), w_o, norm_w, rope = _inputs(device, s, fused=fused)
+    problems = []
+
+    def run():
+        if fused:
+            kw = dict(cp_group=group, rotary_pos_emb=rope, kernel=kernel, grad_accum=grad_accum, w_o=w_o, norm_w=norm_w)
+            out = (api.ulysses_attention_grouped(x, wq, wk, wv, **kw) if strategy == "ulysses" else
+                   api.upipe_attention_grouped(x, wq, wk, wv, heads_per_stage=U, **kw))
+        else:
+            kw = dict(num_heads=H, num_kv_heads=G, cp_group=group, rotary_pos_emb=rope, kernel=kernel)
+            out = (api.ulysses_attention(x, wq, wk, wv, **kw) if strategy == "ulysses" else
+                   api.upipe_attention(x, wq, wk, wv, heads_per_stage=U, **kw))
+        want = (s, 1, D) if fused else (s, 1, H * d)
+        if _layout(out)[:2] != (want, torch.bfloat16) or out.device.type != device or not out.is_contiguous():
+            problems.append(f"out {_layout(out)} on {out.device}, want {want} bf16 contiguous on {device}")
+        dy = torch.empty(out.shape, device=device, dtype=out.dtype)
+        with torch.no_grad():  # as the autograd engine runs a backward (create_graph=False)
+            grads = [g for g in out.grad_fn.apply(dy) if g is not None]
+        return grads, out
+
+    if track:
+        with PeakMemoryTracker() as mem:
+            grads, out = run()
+            del grads, out
+        return problems, mem.peak_bytes
+    grads, _ = run()
+    # the returned gradients, in the order of the op's inputs: x, (norm_w), w_q, w_k, w_v, (w_o)
+    wanted = [("x", x)] + ([("norm_w", norm_w)] if fused else []) + [("w_q", wq), ("w_k", wk), ("w_v", wv)]
+    wanted += [("w_o", w_o)] if fused else []
+    by_shape: dict[tuple, list] = {}
+    for g in grads:
+        by_shape.setdefault(tuple(g.shape), []).append(g)
+    for name, t in wanted:
+        if t.dim() == 2 and name in ("w_q", "w_k", "w_v"):
+            shape = {"w_q": (G, H // G, d, D), "w_k": (G, d, D), "w_v": (G, d, D)}[name]  # natural -> grouped
+        else:
+            shape = tuple(t.shape)
+        cands = by_shape.get(shape, [])
+        if not cands:
+            problems.append(f"no gradient shaped like {name} {shape}; got {[tuple(g.shape) for g in grads]}")
+            continue
+        g = cands.pop(0)
+        if g.dtype != t.dtype or g.device.type != device or not g.is_contiguous():
+            problems.append(f"d{name}: {_layout(g)} on {g.device}; want {t.dtype} contiguous on {device}")
+    if len(grads) != len(wanted):
+        problems.append(f"{len(grads)} gradients for {len(wanted)} inputs")
+    return problems, None
+
+
+def _kernel_contract(name, device_cpu_plan):
+    """Kernel at one UPipe stage's views (U = 16: m = 2 query heads, w = 1 KV head per call): fake CUDA kernel
+    outputs vs their contract and vs the planning stand-in on fake CPU tensors."""
+    from megatron_upipe.attention.kernels import KERNELS, kernel_backward, kernel_forward, planning_kernel
+
+    b, m, n_kv, w = 1, 2, 2, 1
+    problems = []
+
+    def views(device):
+        q_head = torch.empty(N, b, m, d, device=device, dtype=torch.bfloat16)  # all-to-all result [N, b, m, d]
+        k_head = torch.empty(N, b, n_kv, d, device=device, dtype=torch.bfloat16)  # resident KV heads of a round
+        v_head = torch.empty(N, b, n_kv, d, device=device, dtype=torch.bfloat16)
+        do_head = torch.empty(N, b, m, d, device=device, dtype=torch.bfloat16)
+        return [t.permute(1, 2, 0, 3) for t in (q_head, k_head[:, :, :w], v_head[:, :, :w], do_head)]
+
+    results = {}
+    for label, kernel, device in (("gpu", KERNELS[name], "cuda"), ("plan", planning_kernel(name), "cpu")):
+        q, k, v, do = views(device)
+        out, lse, aux = kernel_forward(kernel, q, k, v, True, d ** -0.5)
+        dq, dk, dv = kernel_backward(kernel, do, q, k, v, out, lse, aux, True, d ** -0.5)
+        results[label] = [_layout(t) for t in (out, lse, dq, dk, dv)]
+        if label == "gpu":
+            want_lse = LSE_SHAPES[name](b, m, N)
+            checks = [("out", out, q.shape, torch.bfloat16), ("lse", lse, want_lse, torch.float32),
+                      ("dq", dq, q.shape, torch.bfloat16), ("dk", dk, k.shape, torch.bfloat16),
+                      ("dv", dv, v.shape, torch.bfloat16)]
+            for what, t, shape, dtype in checks:
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device.type != "cuda":
+                    problems.append(f"{name} {what}: {_layout(t)} on {t.device}; want {tuple(shape)} {dtype} cuda")
+    if results["gpu"] != results["plan"]:
+        problems.append(f"{name}: planning stand-in {results['plan']} != kernel's meta outputs {results['gpu']}")
+    return problems
+
+
+def _model_vs_stand_ins():
+    """Tracked peaks with the planning stand-ins (real CPU tensors) vs the memory model, GQA native or expanded."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_upipe.attention import legal_heads_per_stage, ulysses_attention, upipe_attention
+    from megatron_upipe.attention.kernels import planning_kernel
+    from megatron_upipe.memory.attention_model import AttentionShape, attention_memory
+    from megatron_upipe.memory.tracker import PeakMemoryTracker
+
+    rows = []
+    for cp in (1, 2):
+        if cp > 1:
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
+        shape = AttentionShape(512, 1, 256, 16, 4, 32, cp, 2)
+        s, Hs, Gs, ds = 512 // cp, shape.num_heads, shape.num_kv_heads, shape.head_dim
+        for U in legal_heads_per_stage(Hs, Gs, cp) + ["ulysses"]:
+            for name in ("sdpa_flash", "sdpa_efficient"):
+                kernel = planning_kernel(name)
+                x = torch.randn(s, 1, shape.hidden).bfloat16().requires_grad_()
+                ws = [(torch.randn(n * ds, shape.hidden) * 0.05).bfloat16().requires_grad_() for n in (Hs, Gs, Gs)]
+                dout = torch.randn(s, 1, Hs * ds).bfloat16()
+                kw = dict(num_heads=Hs, num_kv_heads=Gs, cp_group=dist.group.WORLD if cp > 1 else None,
+                          rotary_pos_emb=torch.zeros(512, 1, 1, ds), kernel=kernel)
+                with PeakMemoryTracker() as mem:
+                    out = (ulysses_attention(x, *ws, **kw) if U == "ulysses" else
+                           upipe_attention(x, *ws, heads_per_stage=U, **kw))
+                    grads = torch.autograd.grad(out, [x, *ws], dout)
+                    del out, grads
+                uly = U == "ulysses"
+                est = attention_memory(shape, None if uly else U, uly, native_gqa=kernel.native_gqa)
+                native_est = attention_memory(shape, None if uly else U, uly)
+                rows.append((cp, U, name, mem.peak_bytes, est.peak_bytes, native_est.peak_bytes, est.phase))
+        if cp > 1:
+            dist.destroy_process_group()
+    return rows
+
+
+def _all_contracts(rank, world_size):
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_upipe.attention.kernels import planning_kernel
+
+    dist.destroy_process_group()  # the helper's gloo group: the fake group must be the only one
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=C)
+    names, skipped = _fake_kernels()
+    op_cases, kernel_problems, peaks = [], {}, {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for name in names:
+            for strategy, U in (("upipe", 8), ("upipe", 16), ("ulysses", None)):
+                for grad_accum in ("fp32", "input"):
+                    problems, _ = _op_outputs(name, strategy, U, grad_accum, True, "cuda", dist.group.WORLD)
+                    op_cases.append(((name, strategy, U, grad_accum, "grouped+w_o+norm"), problems))
+                problems, _ = _op_outputs(name, strategy, U, "fp32", False, "cuda", dist.group.WORLD)
+                op_cases.append(((name, strategy, U, "fp32", "natural"), problems))
+            kernel_problems[name] = _kernel_contract(name, "cpu")
+            for strategy, U in (("upipe", 16), ("ulysses", None)):
+                _, gpu_peak = _op_outputs(name, strategy, U, "fp32", True, "cuda", dist.group.WORLD, track=True)
+                _, plan_peak = _op_outputs(planning_kernel(name), strategy, U, "fp32", True, "cpu", dist.group.WORLD,
+                                           track=True)
+                peaks[(name, strategy)] = (gpu_peak, plan_peak)
+    dist.destroy_process_group()
+    return dict(names=names, skipped=skipped, op_cases=op_cases, kernel_problems=kernel_problems, peaks=peaks,
+                model_rows=_model_vs_stand_ins())
+
+
+@pytest.fixture(scope="module")
+def contracts():
+    return run_on_ranks(_all_contracts, 1, timeout_s=900)[0]
+
+
+def test_every_aten_cuda_kernel_ran_under_fake_cuda(contracts):
+    assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(contracts["names"]), contracts["skipped"]
+    assert len(contracts["op_cases"]) == 3 * 3 * len(contracts["names"])  # 3 strategies x (2 grad_accum + natural)
+
+
+def test_outputs_and_gradients_of_the_op_keep_their_contract(contracts):
+    bad = [(case, p) for case, p in contracts["op_cases"] if p]
+    assert not bad, bad
+
+
+def test_kernel_calls_keep_their_contract_and_the_planner_allocates_the_same(contracts):
+    bad = {name: p for name, p in contracts["kernel_problems"].items() if p}
+    assert not bad, bad
+
+
+def test_planner_stand_ins_give_the_op_the_gpu_kernels_tracked_peak(contracts):
+    for (name, strategy), (gpu, plan) in contracts["peaks"].items():
+        assert gpu > 0 and abs(gpu - plan) <= 4096, (name, strategy, gpu, plan)  # a few seed/offset scalars
+
+
+def test_memory_model_counts_the_expansion_of_kernels_without_native_gqa(contracts):
+    rows = contracts["model_rows"]
+    expanded_more = 0
+    for cp, U, name, tracked, est, native_est, phase in rows:
+        assert abs(est - tracked) / tracked < 0.01, (cp, U, name, tracked, est, phase)
+        if name == "sdpa_efficient" and tracked > 1.01 * native_est:
+            expanded_more += 1  # the native-GQA model would miss this peak by more than 1%
+    assert expanded_more >= 2, rows
