@@ -1,7 +1,8 @@
 """Training metrics and failure policy: FLOPs formula, MFU, the sinks, the NaN policy, the console.
 
-The console test launches a real 3-step run (torchrun, 2 gloo ranks, UPipe over cp=2) and reads what a user sees:
-one labelled step line per step from rank 0 only, the end-of-run summary, and no third-party warning line.
+The console test launches a real 3-step run (torchrun, 2 gloo ranks, UPipe over cp=2) and its resumption to step 4,
+and reads what a user sees: one labelled step line per step from rank 0 only, the end-of-run summary, and no
+third-party warning line.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from megatron_upipe.config.schema import LogConfig
 from megatron_upipe.models.presets import get_preset
 from megatron_upipe.training.failures import NonFiniteError, as_distributed_failure, check_step
-from megatron_upipe.training import console
+from megatron_upipe.training import console, memory_check
 from megatron_upipe.training.metrics import (MEMORY_LABELS, MetricsLogger, device_peak_flops, model_flops_per_token,
                                              step_record)
 from tests.dist_helper import free_port
@@ -117,8 +118,8 @@ def restore_logging():
 def test_quiet_drops_only_the_listed_third_party_messages(restore_logging):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        console.quiet_third_party()
-        console.quiet_third_party()  # idempotent
+        console.quiet_third_party(cuda=False)
+        console.quiet_third_party(cuda=False)  # idempotent
 
         def warn(text, module, category=UserWarning):
             warnings.warn_explicit(text, category, "f.py", 1, module=module)
@@ -157,6 +158,31 @@ def test_quiet_drops_only_the_listed_third_party_messages(restore_logging):
     assert [r.getMessage() for r in records] == ["a real error", "Error checking compiler version"]
 
 
+SP_ADVICE = ("When using sequence parallelism it is recommended to set the environment variable "
+             "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+FSDP_DEVICE = "[Rank 0] Megatron-FSDP is using device cpu instead of the current device cuda:0, which may cause"
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_quiet_keeps_gpu_advice_on_a_gpu(cuda, restore_logging):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        console.quiet_third_party(cuda=cuda)
+        warnings.warn_explicit(SP_ADVICE, UserWarning, "layers.py", 848, module="megatron.core.tensor_parallel.layers")
+        warnings.warn_explicit("Apex is not installed.", UserWarning, "b.py", 1, module="megatron.core.models.backends")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    fsdp = logging.getLogger("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp")
+    fsdp.addHandler(handler)
+    try:
+        fsdp.warning(FSDP_DEVICE)
+    finally:
+        fsdp.removeHandler(handler)
+    assert [str(w.message) for w in seen] == ([SP_ADVICE] if cuda else [])  # the fallback notice goes either way
+    assert len(records) == (1 if cuda else 0)
+
+
 # What a third-party warning looks like on the console: a Python warning ("path.py:12: UserWarning: ..." and its
 # source line), torch's logging prefix ("[rank0]:W1203 ..."), a path into the installed packages, or the words
 # megatron-core uses for its notices.
@@ -167,11 +193,37 @@ STEP_LINE = re.compile(r"^step (\d+)/3 \| consumed samples (\d+) \| ([\d.]+) ms/
                        r"peak RSS [\d.]+ GiB \| ETA \d+:\d\d:\d\d$")
 
 
-def test_console_of_a_short_run(tmp_path):
+def assert_memory_figures_labelled(lines: list[str], at_least: int) -> None:
+    """Every memory figure says what it is: a label stands between it and the previous figure or field."""
+    labels = (*MEMORY_LABELS.values(), "planner predicted")
+    figures = 0
+    for line in lines:
+        for field in line.split(" | "):
+            for before in re.split(r"[\d.]+ [MG]iB", field)[:-1]:
+                figures += 1
+                assert any(label in before for label in labels), line
+    assert figures >= at_least, lines
+
+
+def test_memory_check_lines_label_every_figure():
+    predicted = {"device_bytes": 3 * 2**20, "peak_bytes": 9 * 2**20, "tracked_bytes": 2**20}
+    lines = [memory_check.prediction_line(predicted)]
+    for kind in ("tracked", "cuda_max_allocated"):
+        lines.append(memory_check.comparison_line(memory_check.comparison(2, {"bytes": 2**20, "kind": kind},
+                                                                          predicted)))
+    assert lines[1] == ("memory: step 2 measured peak tracked 1.00 MiB (forward/backward, all model states) vs "
+                        "planner predicted 1.00 MiB (+0.00%)")  # the tracker is compared with the tracked figure
+    assert "measured peak alloc 1.00 MiB" in lines[2] and lines[2].endswith("planner predicted 3.00 MiB (-66.67%)")
+    assert "planner predicted peak alloc 3.00 MiB/GPU" in lines[0] and "planner predicted total 9.0 MiB/GPU" in lines[0]
+    assert_memory_figures_labelled(lines, at_least=6)
+
+
+def _launch(tmp_path, *overrides: str) -> list[str]:
+    """A 2-rank torchrun of pretrain_llama.py; its stdout and stderr lines, none of them a third-party warning."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "pretrain_llama.py", "--config", TINY, *DATA, *SMALL, "train.steps=3", "log.interval=1",
-           "train.eval_interval=3", "train.eval_iters=1", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.interval=0",
-           f"log.metrics_file={tmp_path}/m.jsonl", "memory.plan_check=true"]
+           "pretrain_llama.py", "--config", TINY, *DATA, *SMALL, "log.interval=1", "train.eval_iters=1",
+           f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.interval=0", f"log.metrics_file={tmp_path}/m.jsonl",
+           *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr
@@ -179,6 +231,11 @@ def test_console_of_a_short_run(tmp_path):
     lines = out.splitlines()
     noise = [line for line in lines if THIRD_PARTY.search(line)]
     assert not noise, "\n".join(noise)
+    return lines
+
+
+def test_console_of_a_short_run_and_its_resumption(tmp_path):
+    lines = _launch(tmp_path, "train.steps=3", "train.eval_interval=3")
 
     steps = [STEP_LINE.match(line) for line in lines if line.startswith("step ") and "ms/step" in line]
     assert all(steps), [line for line in lines if line.startswith("step ")]
@@ -202,15 +259,14 @@ def test_console_of_a_short_run(tmp_path):
     assert summary["peak memory"].startswith("peak RSS ") and "max over ranks" in summary["peak memory"]
     assert summary["checkpoint"] == str(tmp_path / "ckpt" / "iter_0000003")
 
-    # every memory figure says what it is: a label stands between it and the previous figure or field
-    labels = (*MEMORY_LABELS.values(), "planner predicted")
-    figures = 0
-    for line in lines:
-        for field in line.split(" | "):
-            for before in re.split(r"[\d.]+ [MG]iB", field)[:-1]:
-                figures += 1
-                assert any(label in before for label in labels), line
-    assert figures >= 3 + 2 + 1 + 2  # step lines, planner prediction, summary's peak and memory check
+    assert_memory_figures_labelled(lines, at_least=3 + 1)  # the step lines and the summary's peak
+
+    # resumed to step 4: the checkpoint load adds no third-party line either (checked in _launch)
+    lines = _launch(tmp_path, "train.steps=4", "train.eval_interval=0")
+    assert any(line.startswith(f"resumed from {tmp_path / 'ckpt' / 'iter_0000003'} at step 3") for line in lines)
+    assert [line.split(" |")[0] for line in lines if "ms/step" in line] == ["step 4/4"]
+    assert "  steps            4/4 (1 this run, 0 skipped)" in lines and "  mean step time   " in "\n".join(lines)
+    assert "  checkpoint       " + str(tmp_path / "ckpt" / "iter_0000004") in lines
 
 
 def test_nan_policy():
