@@ -2,7 +2,8 @@
 
 - The range allocator (first fit, aligned ranges, merged on release, refuses what it did not hand out) and the pool
   on this CPU machine: one buffer of exactly the asked bytes, pageable with one logged line (pinning needs CUDA),
-  copies are slices of it, ranges are reused, a copy that finds no room goes beside the pool (logged once).
+  copies are slices of it, ranges are reused, a copy that finds no room goes beside the pool (logged once). Its
+  CUDA-only pinning against a stand-in cudart: cudaHostRegister of exactly its range, unregistered when it goes.
 - One 2-rank gloo job, float32, a 4-layer tiny Llama, 3 training steps each: full recompute + offload without a pool
   (one host copy per tensor, the reference) and with the pool sized by host_budget.offload_pool_bytes from the
   config, for dp2 and for pp2 (1F1B, 2 micro-batches: stage 0 holds both in flight). Losses of every step and the
@@ -89,6 +90,46 @@ def test_pool_is_one_exact_buffer_sliced_and_reused_pageable_here(caplog):
     del big, copies, again
     assert off.live_bytes == 0 and off.ledger.reserved_bytes == nbytes and pool.allocator.used_bytes == 0
     assert off.pool.buffer.data_ptr() == base  # the same buffer throughout
+
+
+def test_pool_pins_its_exact_range_with_cuda_host_register(monkeypatch, caplog):
+    """The CUDA-only lines against a stand-in cudart (no GPU here): cudaHostRegister(ptr, nbytes, 0) of the pool's
+    own buffer, cudaHostUnregister of the same pointer when the pool goes; a failed register leaves it pageable,
+    said in one line."""
+    import gc
+
+    from megatron_upipe.memory_stack import pinned_pool
+
+    calls = []
+
+    class Cudart:
+        def __init__(self, code):
+            self.code = code
+
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes, flags))
+            return self.code
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pinned_pool, "_drain_cuda_error", lambda: calls.append(("drain",)))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart(0))
+    pool = pinned_pool.HostPool(12800)
+    ptr = pool.buffer.data_ptr()
+    assert pool.pinned and calls == [("register", ptr, 12800, 0)]
+    del pool
+    gc.collect()
+    assert calls[1:] == [("unregister", ptr)]
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart(2))  # cudaErrorMemoryAllocation
+    with caplog.at_level(logging.WARNING):
+        pool = pinned_pool.HostPool(12800)
+    assert not pool.pinned and calls[1:] == [("drain",)]
+    lines = [r.getMessage() for r in caplog.records if "pageable" in r.getMessage()]
+    assert len(lines) == 1 and "cudaHostRegister failed (cudaError 2" in lines[0], lines
 
 
 def test_simulated_pool_keeps_the_same_books():

@@ -118,7 +118,7 @@ def _pin(buffer: torch.Tensor) -> str | None:
         return "no CUDA device (pinning needs one)"
     try:
         err = _code(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
-    except (RuntimeError, AttributeError) as e:  # a torch built without the cudart bindings
+    except (RuntimeError, AssertionError, AttributeError) as e:  # CUDA not initialisable, or no cudart bindings
         return f"cudaHostRegister unavailable ({e})"
     if err != 0:
         _drain_cuda_error()
