@@ -113,7 +113,9 @@ def build_gpt_datasets(
     """Train/valid/test datasets with at least `num_samples` samples each (None: one pass over that split's
     documents; a split of weight 0 gives None). Call it on every rank when a process group exists."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    from megatron_upipe.data.gpt_dataset import GPTDatasetMaskCopy, MockGPTDatasetMaskCopy
 
     blend = parse_data_path(config.data_path)
     sizes = list(num_samples)
@@ -138,7 +140,8 @@ def build_gpt_datasets(
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
     )
-    cls = MockGPTDataset if blend is None else GPTDataset
+    # megatron's classes with a loss-mask cache the first sample served cannot alter (see data/gpt_dataset.py)
+    cls = MockGPTDatasetMaskCopy if blend is None else GPTDatasetMaskCopy
     train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, mcore_config).build()
     return GPTDatasets(train, valid, test)
 
