@@ -11,6 +11,10 @@ One 2-rank gloo job runs pretrain_llama.main() several times (tiny Llama, shippe
   stop / skip  a NaN injected into step 3's forward: stop ends the run (exit 3, "step 3") with the weights of
          step 2 and the step-2 checkpoint as `latest`; skip leaves weights and Adam moments unchanged and goes on.
 Last, a fresh run (checkpoint.resume=false) into A's directory re-saves steps 3 and 6 over A's checkpoints.
+mockA / mockB  the same exact resume on mock data (global batch 2, 3 steps, checkpoint at 1): the resumed run
+         serves sample 2 first, whose labels hold the pad id (a mock document counts 1, 2, 3 = pad, ...), which
+         megatron-core 0.19.2's dataset used to write into the loss-mask cache of every later sample
+         (megatron_upipe/data/gpt_dataset.py).
 The kill test runs torchrun in a subprocess and SIGKILLs rank 0 in the middle of the step-4 save (all shards
 written, not yet published): `latest` still names step 2, which a second launch resumes, reproducing steps 3-4.
 """
@@ -34,6 +38,7 @@ from tests.train_harness import DATA, ROOT, SMALL, TINY, losses, read_metrics, r
 
 BASE = [*SMALL, "train.steps=6"]
 CP1_DP2 = ["parallel.cp=1", "parallel.cp_strategy=none"]
+MOCK = [*SMALL, "data.path=mock", "train.global_batch_size=2", "train.steps=3"]
 TP2 = ["parallel.tp=2", *CP1_DP2]
 
 
@@ -112,6 +117,10 @@ def _job(rank, world_size, tmp):
     # A fresh run (resume=false) into A's directory saves steps 3 and 6 again over A's: replaced, never lost.
     out["again"] = run_main(*BASE, f"checkpoint.dir={tmp}/A", "checkpoint.resume=false", "checkpoint.interval=3",
                             f"log.metrics_file={tmp}/again.jsonl")
+    out["mockA"] = run_main(*MOCK, f"checkpoint.dir={tmp}/mockA", "checkpoint.interval=1", "checkpoint.keep_last=null",
+                            f"log.metrics_file={tmp}/mockA.jsonl")
+    out["mockB"] = run_main(*MOCK, f"checkpoint.dir={tmp}/mockB", f"checkpoint.load={tmp}/mockA/iter_0000001",
+                            f"log.metrics_file={tmp}/mockB.jsonl")
     return out, unchanged
 
 
@@ -140,6 +149,14 @@ def test_resume_reproduces_the_uninterrupted_curve_exactly(job):
     assert (tmp / "B" / "latest").read_text().strip() == "iter_0000006"
     meta = json.loads((tmp / "B" / "iter_0000006" / "train_state.json").read_text())
     assert (meta["step"], meta["consumed_samples"]) == (6, 24)
+
+
+def test_resume_on_mock_data_reproduces_the_uninterrupted_curve_exactly(job):
+    tmp, per_rank = job
+    _ok(per_rank, "mockA", "mockB")
+    a, b = losses(tmp / "mockA.jsonl"), losses(tmp / "mockB.jsonl")
+    assert sorted(a) == [1, 2, 3] and sorted(b) == [2, 3]
+    assert [b[2], b[3]] == [a[2], a[3]]  # bit-identical (was 2e-4 apart)
 
 
 @pytest.mark.parametrize("name", ["tp2", "cp1dp2"])
