@@ -127,8 +127,9 @@ def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=Fal
 
 
 def _kernel_contract(name, device_cpu_plan):
-    """Kernel at one UPipe stage's views (U = 16: m = 2 query heads, w = 1 KV head per call): fake CUDA kernel
-    outputs vs their contract and vs the planning stand-in on fake CPU tensors."""
+    """Kernel at one UPipe stage's views (U = 16 over C = 8: m = 2 query heads, w = 1 KV head per call; the KV
+    view is sliced from a 2-head buffer, a stricter layout than the schedule makes): fake CUDA kernel outputs vs
+    their contract and vs the planning stand-in on fake CPU tensors."""
     from megatron_upipe.attention.kernels import KERNELS, kernel_backward, kernel_forward, planning_kernel
 
     b, m, n_kv, w = 1, 2, 2, 1
