@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_size
-from .kernels import select_kernel
+from .kernels import select_kernel, stage_call
 from .rope import rope_cos_sin
 from .schedule import make_schedule
 from .upipe import StageOp, UPipeFunction
@@ -78,7 +78,7 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
                          f"{norm_w.dtype}")
     G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
     schedule = make_schedule(G * g, G, C, G * g if ulysses else heads_per_stage)
-    chosen = select_kernel(x.device, x.dtype, d, kernel)
+    chosen = select_kernel(x.device, x.dtype, d, kernel, call=stage_call(schedule, x.shape[1], x.shape[0] * C, causal))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
@@ -98,7 +98,8 @@ def upipe_attention_grouped(
 
     This is the layout of megatron-core's fused `linear_qkv.weight.view(G, g + 2, d, D)` sliced into q, k, v
     (views, no copy). grad_accum: 'fp32' (default) accumulates dx and dK/dV over stages in float32 for 16-bit
-    inputs; 'input' in the input dtype (smaller, one rounding per stage). w_o [D, G·g·d]: the output projection,
+    inputs, each rounded once at the end (dx's GEMMs add into the float32 buffer without a 16-bit product; see
+    upipe.py); 'input' in the input dtype (smaller, one rounding per stage). w_o [D, G·g·d]: the output projection,
     fused so that backward never builds the [s, b, G·g·d] gradient whole; the result is then [s, b, D] (this
     rank's partial sums under tensor parallelism). norm_w [D] (eps norm_eps): the input RMSNorm, fused so that
     RMSNorm(x) is never whole (x is then the norm's input; gradients flow to x and norm_w), regenerated

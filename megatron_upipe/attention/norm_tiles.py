@@ -23,9 +23,8 @@ def rms_tile(x_t: torch.Tensor, weight: torch.Tensor, rstd_t: torch.Tensor, out:
 
 
 def rms_tile_backward(x_t, weight, rstd_t, dy_t, dw: torch.Tensor) -> torch.Tensor:
-    """d x_t [T, ..., D] (x's dtype) of `rms_tile` given its output gradient dy_t (x's dtype, or float32 when the
-    caller accumulated it in float32: it is then used unrounded); adds the weight gradient of the tile to dw
-    ([D]: float32, or float64 for float64 inputs)."""
+    """d x_t [T, ..., D] (x's dtype) of `rms_tile` given its output gradient dy_t (x's dtype); adds the weight
+    gradient of the tile to dw ([D]: float32, or float64 for float64 inputs)."""
     xhat = x_t.float() * rstd_t  # [T, ..., D]
     dw += (dy_t * xhat.to(x_t.dtype)).flatten(0, -2).sum(0, dtype=dw.dtype)  # d weight of weight * y
     g = (dy_t * weight).float()  # d xhat

@@ -13,8 +13,16 @@ a KV round and stay resident for the round. Only one stage's buffers are alive a
 Backward, saving only x, the weights, the output buffer and per-stage lse: per round recompute K/V, per stage
 recompute q, all-to-all the stage's slices of out and dout into head layout, call the kernel's backward (no
 attention forward recompute), all-to-all dq back, undo RoPE, and accumulate dx and the weight-row gradients;
-dK/dV accumulate over the round's stages (in float32 for 16-bit inputs, or in the input dtype with
-`accumulate_fp32=False`) and go back once per round.
+dK/dV accumulate over the round's stages and go back once per round.
+
+Accumulation with 16-bit inputs (`accumulate_fp32`, memory.attention_grad_accum='fp32'): dx is a float32 buffer
+that every stage's dq GEMM and every round's dK and dV GEMMs add into in float32 (`accumulate_mm`: cuBLAS with
+float32 output on CUDA, float32 products of the upcast operands on CPU; no product is rounded to 16 bits) and
+is rounded to the input dtype once, at the end (with the fused norm: once before the norm's backward, which gets
+it in the input dtype exactly as norm-then-op does, and whose result is rounded once more). dK/dV sum the kernel's
+per-stage gradients (16-bit, as the kernels return them) in float32 and are rounded once to 16 bits before their
+all-to-all and GEMMs. The GEMMs' operands (dq, dK, dV, weights) are 16-bit. With `accumulate_fp32=False` both
+accumulators are in the input dtype: one rounding per addition.
 
 With the input RMSNorm passed in (`norm_w`, eps in StageOp), x is the layer input before the norm and the op
 never holds RMSNorm(x) whole: every projection (and weight-gradient GEMM) regenerates the normalised rows tile by
@@ -59,9 +67,9 @@ class StageOp:
     # False: UPipe (recompute projections and all-to-alls in backward). True: plain Ulysses behaviour, keeping
     # q, k, v and out in head layout for backward like DeepSpeed's DistributedAttention over flash attention.
     save_heads: bool = False
-    # Accumulate dx (over stages) and dK/dV (over a KV round's stages) in float32 for 16-bit inputs (exact to one
-    # final rounding), or in the input dtype (half the bytes of the two largest backward buffers; one rounding
-    # per stage): memory.attention_grad_accum.
+    # 16-bit inputs: accumulate dx (over stages and rounds) and dK/dV (over a KV round's stages) in float32, each
+    # rounded once at the end (see the module docstring), or in the input dtype (half the bytes of the two
+    # largest backward buffers; one rounding per addition): memory.attention_grad_accum.
     accumulate_fp32: bool = True
     norm_eps: float = 1e-5  # of the fused input RMSNorm, when its weight is passed
     norm_tile_rows: int = 32768  # rows of RMSNorm(x) regenerated at a time (float32 temporaries [T, D])
@@ -69,6 +77,26 @@ class StageOp:
 
 def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
     return torch.float32 if fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b ([n, k] @ [k, p] into [n, p]) with the sum kept in acc's dtype; a and b share one dtype.
+
+    Same dtype: one addmm_. A float32 acc with 16-bit a, b: on CUDA, cuBLAS writes the product straight into the
+    float32 buffer (torch.addmm(..., out_dtype=torch.float32, out=acc): float32 accumulation, no 16-bit product);
+    on CPU, which has no such kernel, a and b are upcast to float32 (exactly) and multiplied in float32, a in
+    row tiles of p rows so that the temporaries are two float32 [k, p]-sized blocks. Either way nothing is
+    rounded to 16 bits: the only roundings are float32 ones.
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type == "cuda":
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        b_up = b.to(acc.dtype)  # [k, p]
+        rows = max(1, b.shape[1])
+        for r0 in range(0, a.shape[0], rows):
+            acc[r0:r0 + rows].addmm_(a[r0:r0 + rows].to(acc.dtype), b_up)  # [T, k] @ [k, p]
 
 
 def _row_tiles(n: int, rows: int) -> list[tuple[int, int]]:
@@ -97,13 +125,13 @@ class _Rows:
         return out
 
     def t_mm(self, g: torch.Tensor) -> torch.Tensor:
-        """g^T @ rows: [s·b, R]^T @ [s·b, D] -> [R, D] (each tile's product in g's dtype, summed in float32 for
-        16-bit inputs, then cast)."""
+        """g^T @ rows: [s·b, R]^T @ [s·b, D] -> [R, D]: one GEMM, or with the norm the tiles' products accumulated
+        in float32 for 16-bit inputs (`accumulate_mm`) and rounded once."""
         if self.norm_w is None:
             return torch.mm(g.t(), self.x2)
         acc = torch.zeros((g.shape[1], self.x2.shape[1]), dtype=_acc_dtype(g.dtype, True), device=g.device)
         for a, z in self.tiles:
-            acc += torch.mm(g[a:z].t(), self.tile(a, z))
+            accumulate_mm(acc, g[a:z].t(), self.tile(a, z))  # [R, T] @ [T, D]
         return acc.to(g.dtype)
 
 
@@ -260,11 +288,8 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     dx = torch.zeros((s * b, D), dtype=acc, device=x.device)  # [s·b, D]
     dw_q, dw_k, dw_v = (torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_q, w_k, w_v)) if needs_dw else (None,) * 3
 
-    def add_input_grad(rows, w_rows):  # dx += rows [s·b, R] @ w_rows [R, D]
-        if acc == dtype:
-            dx.addmm_(rows, w_rows)
-        else:
-            dx.add_(torch.mm(rows, w_rows))
+    def add_input_grad(rows, w_rows):  # dx += rows [s·b, R] @ w_rows [R, D], summed in dx's dtype
+        accumulate_mm(dx, rows, w_rows)
 
     def finish_round(kv, dk_acc, dv_acc):
         for g_acc, w, dw, rot in ((dk_acc, w_k, dw_k, rope), (dv_acc, w_v, dw_v, None)):
@@ -327,7 +352,7 @@ def _norm_backward(dxn: torch.Tensor, xin: _Rows, dtype):
     x2 = xin.x2
     dx = dxn if dxn.dtype == dtype else torch.empty(x2.shape, dtype=dtype, device=x2.device)  # [s·b, D]
     dw = torch.zeros(xin.norm_w.shape, dtype=_acc_dtype(dtype, True), device=x2.device)  # [D]
-    for a, z in xin.tiles:
+    for a, z in xin.tiles:  # dxn rounded to x's dtype first, as norm-then-op hands it to the norm: same bits
         dx[a:z] = rms_tile_backward(x2[a:z], xin.norm_w, xin.rstd[a:z], dxn[a:z].to(dtype), dw)
     return dx, dw.to(xin.norm_w.dtype)
 

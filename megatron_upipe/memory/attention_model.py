@@ -108,22 +108,25 @@ def attention_memory(shape: AttentionShape, heads_per_stage: int | None = None, 
             _phase("bwd: dK/dV accumulators", **base, w_q_rows=Wu, kv=2 * Xkv, q=Xq, o=Xq, dkv_acc=2 * Akv),
         ]
     stage = dict(**base, w_q_rows=Wu, kv=2 * Xkv, dkv_acc=2 * Akv)
-    rows_dx = sb * D * e if e < 4 else 0  # 16-bit: dx partial product before the float32 accumulate
+    # 16-bit: dx's float32 accumulation upcasts its GEMM operands on CPU (W rows [r, D] and min(s·b, D) gradient
+    # rows, float32; upipe.accumulate_mm). CUDA accumulates into the float32 buffer directly: 0 there.
+    def acc_upcast(r: int) -> int:
+        return 4 * r * (D + min(sb, D)) if e < 4 else 0
     phases += [
         _phase("bwd: gather dout", **stage, q=Xq, o=Xq, do_send=Xq, do_recv=rc * Xq),
         _phase("bwd: attention backward", **stage, q=Xq, o=Xq, do=Xq, dq=Xq, dkv=0 if kv_exp else 2 * Xw,
                dkv_expanded=kv_exp, kv_expanded=kv_exp, workspace=ws),
         _phase("bwd: dq all-to-all and inverse RoPE", **stage, dq=Xq, dq_recv=rc * Xq, dq_rows=Xq),
-        _phase("bwd: dx and dW_Q products", **stage, dq_rows=Xq, partial=max(rows_dx, Wu)),
+        _phase("bwd: dx and dW_Q products", **stage, dq_rows=Xq, partial=max(acc_upcast(U * d), Wu)),
     ]
     to_dtype = Xkv if e < 4 else 0
     k_rows, v_rows = Xkv, Xkv if (rc or e < 4) else 0
     end = dict(out=O, rope=R, lse=L, dx=DX, dw=DW, dkv_acc=2 * Akv)
     phases += [
         _phase("bwd: dK all-to-all and inverse RoPE", **end, dk_cast=to_dtype, dk_recv=rc * Xkv, dk_rows=Xkv),
-        _phase("bwd: dK products", **end, dk_rows=k_rows, w_kv=Wkv, partial=max(rows_dx, Wkv)),
+        _phase("bwd: dK products", **end, dk_rows=k_rows, w_kv=Wkv, partial=max(acc_upcast(C * n * d), Wkv)),
         _phase("bwd: dV all-to-all", **end, dv_cast=to_dtype, dv_recv=rc * Xkv, dv_rows=rc * Xkv),
-        _phase("bwd: dV products", **end, dv_rows=v_rows, w_kv=Wkv, partial=max(rows_dx, Wkv)),
+        _phase("bwd: dV products", **end, dv_rows=v_rows, w_kv=Wkv, partial=max(acc_upcast(C * n * d), Wkv)),
         _phase("bwd: cast dx", out=O, rope=R, lse=L, dx=DX, dw=DW, dx_cast=sb * D * e if e < 4 else 0),
     ]
     return max(phases, key=lambda p: p.peak_bytes)
