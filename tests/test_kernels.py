@@ -108,14 +108,17 @@ def _bhnd(*ts):  # [b, N, h, d] <-> [b, h, N, d]
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """Forget cached library probes and logged messages; undo injected modules afterwards."""
+    """Forget cached library probes and logged messages; hide the real flash-attn and TE (where installed) so only
+    the stand-ins a test installs exist; undo it all afterwards."""
     libs.flash_attn_api.cache_clear()
     libs.te_api.cache_clear()
     libs.te_fused_backend.cache_clear()
     K._log_once.cache_clear()
     for name in list(sys.modules):
-        if name == "flash_attn" or name.startswith(("flash_attn.", "transformer_engine")):
+        if name.startswith(("flash_attn.", "transformer_engine.")):
             monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # "not installed" until a test installs a stand-in
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
     yield monkeypatch
     libs.flash_attn_api.cache_clear()
     libs.te_api.cache_clear()
@@ -229,10 +232,12 @@ def test_flash_attn_with_broken_kernels_or_another_major_falls_back(fresh):
     assert "supports flash-attn 2.x" in KERNELS["flash_attn"].unsupported_reason("cuda", torch.bfloat16, 128)
 
 
-def test_flash_attn_not_installed_is_a_reason_not_an_error(fresh):
-    fresh.setitem(sys.modules, "flash_attn", None)
-    assert "not installed" in libs.flash_attn_api() or "cannot be imported" in libs.flash_attn_api()
+def test_not_installed_is_a_reason_not_an_error(fresh):
+    assert libs.flash_attn_api() == "the flash-attn package is not installed"
+    assert libs.te_api() == "the transformer_engine package is not installed"
     assert select_kernel(CUDA, torch.float16, 64).name == "sdpa_flash"
+    with pytest.raises(ValueError, match="te_fused.*transformer_engine package is not installed"):
+        select_kernel(CUDA, torch.float16, 64, "te_fused")
 
 
 # -------------------------------------------------------------------- TransformerEngine stand-ins
@@ -440,3 +445,24 @@ def test_planning_kernel_keeps_the_gpu_kernels_rules(name):
     assert planning_kernel("auto").name.startswith(K.PLAN_AUTO_AS)
     with pytest.raises(ValueError, match="no planning stand-in"):
         planning_kernel("cpu_flash")
+
+
+def test_the_op_asks_te_about_its_own_stage_call_and_falls_back(fresh, caplog):
+    """Through the public op (fake CUDA tensors): TE's backend query sees one stage's call (m query heads, its KV
+    heads, all N tokens); TE refusing it makes the op run the next kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_upipe.attention import upipe_attention
+
+    queried = _install_te(fresh, "2.18.0", _te218_fwd, _te218_bwd, fused_ok=lambda p: False)
+    with FakeTensorMode(), caplog.at_level(logging.INFO, logger="megatron_upipe.attention.kernels"):
+        mk = dict(device="cuda", dtype=torch.bfloat16)
+        x = torch.empty(256, 1, 64, **mk)
+        wq, wk, wv = torch.empty(8 * 16, 64, **mk), torch.empty(2 * 16, 64, **mk), torch.empty(2 * 16, 64, **mk)
+        out = upipe_attention(x, wq, wk, wv, num_heads=8, num_kv_heads=2, cp_group=None, heads_per_stage=4)
+        assert out.shape == (256, 1, 8 * 16) and out.device.type == "cuda"
+    p = queried[-1]
+    assert (p.batch_size, p.num_heads, p.num_gqa_groups, p.max_seqlen_q, p.attn_mask_type) == (1, 4, 1, 256, "causal")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("not using te_fused" in m and "no fused attention backend" in m for m in messages), messages
+    assert any(m.startswith("megatron_upipe attention kernel: sdpa_flash") for m in messages), messages

@@ -190,6 +190,13 @@ KERNELS: dict[str, AttentionKernel] = {
 AUTO_ORDER = ("te_fused", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash")
 
 
+def stage_call(schedule, batch: int, seq_len: int, causal: bool) -> KernelCall:
+    """The kernel call of one stage of a UPipe schedule (attention/schedule.py): m query heads over the stage's
+    KV slots, on all N tokens."""
+    a0, a1 = schedule.stages[0].kv_slots
+    return KernelCall(batch, schedule.q_per_rank, a1 - a0, seq_len, causal)
+
+
 def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | AttentionKernel | None = None,
                   call: KernelCall | None = None) -> AttentionKernel:
     """The kernel for these inputs: `name` (or a kernel object, e.g. a `planning_kernel`) if given, validated; else
