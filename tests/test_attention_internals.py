@@ -11,6 +11,9 @@
 4. With 16-bit inputs and grad_accum='fp32', dx is accumulated in float32 for real (`accumulate_mm`): one final
    rounding of the exact sum of the products (CPU: upcast operands; CUDA: cuBLAS float32-output addmm, checked
    under fake CUDA), and no farther from the float64 reference than the old product-rounded-first sum.
+5. model.attention_kernel reaches the op: the schema offers every kernel, the layer spec binds the name (and
+   refuses an unknown one, a CUDA kernel for a CPU run, or a name for megatron-core's attention), and in a tiny
+   model the named kernel is the one select_kernel is asked for and the one every stage runs.
 """
 
 from __future__ import annotations
@@ -361,3 +364,101 @@ def test_bf16_dx_is_one_rounding_of_the_float32_sum_and_no_farther_from_float64(
         assert res["old"][0] < res["fp32"][0]
         assert res["fp32"][1] <= res["old"][1] * 1.001, res
 
+
+# --- 5. model.attention_kernel reaches the op -------------------------------------------------------------------
+
+def test_schema_offers_every_kernel():
+    """model.attention_kernel accepts 'auto' and exactly the kernel names the op knows (te_fused included)."""
+    import typing
+
+    from megatron_upipe.attention.kernels import KERNELS
+    from megatron_upipe.config.schema import ModelConfig
+
+    allowed = set(typing.get_args(typing.get_type_hints(ModelConfig)["attention_kernel"]))
+    assert allowed == {"auto", *KERNELS}
+    assert ModelConfig(attention_kernel="te_fused").attention_kernel == "te_fused"
+
+
+def _tiny_config(**layout_kwargs):
+    from megatron_upipe.models.llama import llama_transformer_config
+    from megatron_upipe.models.presets import get_preset
+    from megatron_upipe.parallel import ParallelLayout
+
+    layout = ParallelLayout(**layout_kwargs)
+    return llama_transformer_config(get_preset("tiny-gqa"), layout), layout
+
+
+def test_spec_binds_the_kernel_and_refuses_bad_choices_at_build_time():
+    """build_cp_plan binds model.attention_kernel into the op of every layer (auto -> None: automatic), and refuses,
+    before any parameter exists: an unknown name, a CUDA kernel for a CPU run (flash_attn, te_fused, sdpa_flash;
+    the message names the setting and the device), and a named kernel for a strategy whose attention is
+    megatron-core's."""
+    import pytest
+
+    from megatron_upipe.models.spec import build_cp_plan
+
+    config, layout = _tiny_config(cp=2, cp_strategy="upipe")
+    for name, bound in (("auto", None), ("cpu_flash", "cpu_flash")):
+        plan = build_cp_plan(config, layout, attention_kernel=name, kernel_device="cpu")
+        ops = [spec.submodules.self_attention.params["cp_attention"] for spec in plan.block_spec.layer_specs]
+        assert ops and all(op.keywords["kernel"] == bound for op in ops), (name, [op.keywords for op in ops])
+    with pytest.raises(ValueError, match="model.attention_kernel='bogus' is unknown"):
+        build_cp_plan(config, layout, attention_kernel="bogus")
+    for name in ("flash_attn", "te_fused", "sdpa_flash"):
+        with pytest.raises(ValueError, match=f"model.attention_kernel={name}: kernel '{name}' runs on cuda, the "
+                                             f"tensors are on cpu"):
+            build_cp_plan(config, layout, attention_kernel=name, kernel_device="cpu")
+    config, layout = _tiny_config()  # cp_strategy none: megatron-core's local attention
+    with pytest.raises(ValueError, match="applies to cp_strategy 'ulysses' or 'upipe' only"):
+        build_cp_plan(config, layout, attention_kernel="cpu_flash")
+
+
+def _kernel_calls_in_model(rank, world_size, name):
+    """Tiny-gqa Llama (cp = 1, UPipe) built with attention_kernel=name; one forward + backward. Returns the names
+    select_kernel was asked for and the kernels the stage loop ran forward and backward, per call."""
+    from megatron_upipe.attention import api, upipe
+    from megatron_upipe.models.llama import build_llama
+    from megatron_upipe.models.presets import get_preset
+    from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+
+    layout = ParallelLayout(cp=1, cp_strategy="upipe")
+    pg = initialize_parallel(layout)
+    asked, fwd, bwd = [], [], []
+    real = (api.select_kernel, upipe.kernel_forward, upipe.kernel_backward)
+
+    def select_spy(device, dtype, head_dim, name=None):
+        asked.append(name)
+        return real[0](device, dtype, head_dim, name)
+
+    def fwd_spy(kernel, *args, **kwargs):
+        fwd.append(kernel.name)
+        return real[1](kernel, *args, **kwargs)
+
+    def bwd_spy(kernel, *args, **kwargs):
+        bwd.append(kernel.name)
+        return real[2](kernel, *args, **kwargs)
+
+    api.select_kernel, upipe.kernel_forward, upipe.kernel_backward = select_spy, fwd_spy, bwd_spy
+    try:
+        arch = get_preset("tiny-gqa")
+        stage = build_llama(arch, layout, pg, vocab_size=128, attention_kernel=name, kernel_device="cpu")
+        tokens = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(0))
+        loss = stage.model(tokens[:, :-1], torch.arange(16)[None], None, labels=tokens[:, 1:])  # [1, 16]
+        loss.sum().backward()
+        return asked, fwd, bwd, arch.num_layers
+    finally:
+        api.select_kernel, upipe.kernel_forward, upipe.kernel_backward = real
+        destroy_parallel()
+
+
+def test_model_attention_kernel_is_the_kernel_called():
+    """In a tiny model built with attention_kernel='cpu_flash', every layer's op asks select_kernel for
+    'cpu_flash' by name, and every stage's forward and backward runs cpu_flash; with 'auto' it asks for None."""
+    from tests.dist_helper import run_on_ranks
+
+    for name, asked_for in (("cpu_flash", "cpu_flash"), ("auto", None)):
+        asked, fwd, bwd, layers = run_on_ranks(_kernel_calls_in_model, 1, name)[0]
+        print(f"attention_kernel={name}: select_kernel asked for {asked}; {len(fwd)} forward and {len(bwd)} backward "
+              f"kernel calls, ran {sorted(set(fwd) | set(bwd))}")
+        assert asked == [asked_for] * layers
+        assert fwd and bwd and set(fwd) == set(bwd) == {"cpu_flash"} and len(fwd) == len(bwd)

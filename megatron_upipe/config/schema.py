@@ -74,7 +74,8 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128  # the embedding is padded to a multiple of this x tp
     init_method_std: float = 0.02  # std of the normal weight initialisation
     # Local attention kernel: auto, or a name from megatron_upipe/attention/kernels.py KERNELS.
-    attention_kernel: Literal["auto", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "cpu_flash"] = "auto"
+    attention_kernel: Literal["auto", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "te_fused",
+                              "cpu_flash"] = "auto"
 
     OVERRIDES: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",

@@ -13,6 +13,8 @@ Our strategies use megatron-core's local modules (ColumnParallelLinear, RowParal
 `RMSNorm` (sequence-parallel capable), so parameter names and checkpoints are the same for none/ulysses/upipe.
 The caller gets a `CPPlan`: the block spec plus the properties the rest of the stack must follow (how batches
 are split over CP ranks, whether RoPE angles are made for this rank's contiguous positions only); nothing else reads the name.
+The UPipe/Ulysses op is bound here with its arguments from the config: U, `memory.attention_grad_accum` and the local
+kernel `model.attention_kernel` (None = the op's automatic choice), so every layer calls exactly the kernel asked for.
 """
 
 from __future__ import annotations
@@ -78,10 +80,32 @@ def _te_layer_spec(strategy: str) -> tuple[ModuleSpec, type]:
     return spec, TENorm
 
 
+def _op_kernel(name: str, config: TransformerConfig, device) -> str | None:
+    """`model.attention_kernel` as the op's `kernel` argument (None = automatic choice), refused here if unknown
+    or, given the run's device, unusable there with the activation dtype and head dim."""
+    if name == "auto":
+        return None
+    from megatron_upipe.attention.kernels import KERNELS, select_kernel
+
+    if name not in KERNELS:
+        raise ValueError(f"model.attention_kernel={name!r} is unknown; choose auto or one of {sorted(KERNELS)}")
+    if device is not None:
+        dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+        try:
+            select_kernel(torch.device(device), dtype, config.kv_channels, name)
+        except ValueError as e:
+            raise ValueError(f"model.attention_kernel={name}: {e}; set model.attention_kernel=auto or a kernel "
+                             f"for this device") from None
+    return name
+
+
 def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: int = 0,
-                  grad_accum: str = "fp32") -> CPPlan:
+                  grad_accum: str = "fp32", attention_kernel: str = "auto", kernel_device=None) -> CPPlan:
     """Layer spec of pipeline stage `pp_rank` for `layout.cp_strategy` (the only reader of that field).
-    grad_accum: the UPipe/Ulysses op's backward accumulation ('fp32' or 'input'); other strategies need 'fp32'."""
+    grad_accum: the UPipe/Ulysses op's backward accumulation ('fp32' or 'input'); other strategies need 'fp32'.
+    attention_kernel: `model.attention_kernel`, the UPipe/Ulysses op's local kernel ('auto' or a name from
+    megatron_upipe.attention.kernels.KERNELS); other strategies need 'auto'. kernel_device: the device the model
+    will run on; with it a named kernel that cannot run there is refused now, before any parameter exists."""
     strategy = layout.cp_strategy
     norm = RMSNorm
     if strategy == "none":
@@ -92,10 +116,12 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
         from megatron_upipe.attention import ulysses_attention_grouped, upipe_attention_grouped
 
         check_supported(config, layout.tp)
+        kernel = _op_kernel(attention_kernel, config, kernel_device)
         op = (
-            partial(ulysses_attention_grouped, grad_accum=grad_accum)
+            partial(ulysses_attention_grouped, grad_accum=grad_accum, kernel=kernel)
             if strategy == "ulysses"
-            else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage, grad_accum=grad_accum)
+            else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage, grad_accum=grad_accum,
+                         kernel=kernel)
         )
         layer, split, rank_rope = _headwise_cp_layer_spec(config, op), "contiguous", True
     elif strategy in TE_STRATEGIES:
@@ -105,6 +131,10 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
     if grad_accum != "fp32" and strategy not in ("ulysses", "upipe"):
         raise ValueError(f"attention_grad_accum={grad_accum!r} applies to cp_strategy 'ulysses' or 'upipe' only; "
                          f"set memory.attention_grad_accum=fp32 for cp_strategy={strategy!r}")
+    if attention_kernel != "auto" and strategy not in ("ulysses", "upipe"):
+        raise ValueError(f"model.attention_kernel={attention_kernel} applies to cp_strategy 'ulysses' or 'upipe' only "
+                         f"(megatron-core's attention picks its own kernel); set model.attention_kernel=auto for "
+                         f"cp_strategy={strategy!r}")
     if strategy != "upipe" and layout.upipe_heads_per_stage is not None:
         raise ValueError(f"upipe_heads_per_stage is set but cp_strategy={strategy!r}; it only applies to 'upipe'")
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
