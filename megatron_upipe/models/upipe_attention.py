@@ -11,7 +11,8 @@ UPipe's memory saving): the op receives views of the fused weight, rows interlea
 passed to the op, which returns out @ W_O^T (this TP rank's partial sums; reduced here as RowParallelLinear
 would, all-reduce or reduce-scatter under sequence parallelism), so the backward never holds the
 [s/C, b, H·d/t] gradient of the attention output whole. Which op (UPipe with its U, or plain Ulysses) is chosen by the layer
-spec (`megatron_upipe.models.spec`), which binds it into the `cp_attention` parameter.
+spec (`megatron_upipe.models.spec`), which binds it into the `cp_attention` parameter together with its gradient
+accumulation and local kernel (`model.attention_kernel`); this layer passes only tensors and the CP group.
 
 Input norm: `fuse_input_norm(layer.input_layernorm)` (done by the model builder when tp = 1 or under sequence
 parallelism) defers the layer's RMSNorm to the op, which regenerates RMSNorm(x) tile by tile and never holds it
