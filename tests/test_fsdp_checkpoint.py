@@ -5,6 +5,10 @@ One 4-rank gloo job, dp2 x cp2 UPipe, runs pretrain_llama.main() several times (
   A         4 steps straight, checkpoints at steps 2 and 4 ("fsdp_per_rank": fsdp/rank0000{0..3}.pt);
   B         resumes A's step-2 checkpoint: steps 3-4 equal A's bit for bit, and B's step-4 checkpoint equals A's
             tensor for tensor (buffers: compute and fp32 main parameters; Adam moments and step counts);
+  nanpad    A again with the buffers' padding (the elements that back no parameter; the last rank's shard ends in
+            some) filled with NaN right after wrapping: the same losses and weights bit for bit, and the padding
+            still NaN at step 4 (nothing reads or writes it); A's and B's padding is zero in every checkpoint
+            (it used to hold the allocator's leftovers, NaN bit patterns included, which made torch.equal fail);
   dp4       resumes it as dp4 (cp=1): refused (exit 2) naming parallel.cp and parallel.dp, before any shard is read;
   unsharded resumes it with memory.shard_model_states=false: refused, naming the format;
   olddist   a copy whose train_state.json has no "format" (an older dist_checkpointing checkpoint): refused;
@@ -48,6 +52,23 @@ def _job(rank, world_size, tmp):
 
     checkpointing._load_fsdp = counting_load_fsdp
 
+    from megatron_upipe.memory_stack import sharding
+
+    orig_wrap, padding = sharding.wrap_fully_sharded, {}
+
+    def recording_wrap(*args, **kwargs):  # records each run's padding masks; fills nanpad's padding with NaN
+        wrapped = orig_wrap(*args, **kwargs)
+        masks = sharding.buffer_padding(wrapped)
+        padding[current[0]] = masks
+        if current[0] == "nanpad":
+            for group, group_masks in zip(wrapped.param_and_grad_buffer.parameter_groups, masks):
+                for attr, pad in group_masks.items():
+                    getattr(group, attr).data.masked_fill_(pad, float("nan"))
+        return wrapped
+
+    sharding.wrap_fully_sharded = recording_wrap
+    out["padding"] = padding
+
     def run(name, *overrides):
         current[0] = name
         out[name] = run_main(*BASE, f"log.metrics_file={tmp}/{name}.jsonl", *overrides)
@@ -55,6 +76,7 @@ def _job(rank, world_size, tmp):
     step2 = f"checkpoint.load={tmp}/A/iter_0000002"
     run("A", f"checkpoint.dir={tmp}/A", "checkpoint.interval=2")
     run("B", f"checkpoint.dir={tmp}/B", "checkpoint.interval=2", step2)
+    run("nanpad", f"checkpoint.dir={tmp}/nanpad", "checkpoint.interval=2")
     run("dp4", step2, *DP4)
     run("unsharded", step2, "memory.shard_model_states=false")
     if rank == 0:
@@ -88,6 +110,7 @@ def _job(rank, world_size, tmp):
         out["killed"] = ("SimulatedKill", str(e))
     finally:
         checkpointing.save_checkpoint, checkpointing._load_fsdp = orig_save, orig_load_fsdp
+        sharding.wrap_fully_sharded = orig_wrap
     return out, shard_reads
 
 
@@ -150,6 +173,37 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(job):
                     assert ob["state"][name][key][0] == kind
                     other = ob["state"][name][key][1]
                     assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (r, name, key)
+
+
+def _buffers(tmp, run, step, rank):
+    import torch
+
+    path = tmp / run / f"iter_{step:07d}" / "fsdp" / f"rank{rank:05d}.pt"
+    return torch.load(path, weights_only=False)["buffers"]
+
+
+def test_buffer_padding_is_zero_in_checkpoints_and_never_read(job):
+    import torch
+
+    tmp, per_rank = job
+    _ok(per_rank, "A", "B", "nanpad")
+    pad_counts = []
+    for r, (out, _) in enumerate(per_rank):
+        masks = out["padding"]["A"]
+        assert [sorted(g) for g in masks] == [sorted(g) for g in out["padding"]["nanpad"]]
+        assert all(torch.equal(m, out["padding"]["nanpad"][i][k]) for i, g in enumerate(masks) for k, m in g.items())
+        pad_counts.append(sum(int(m.sum()) for g in masks for m in g.values()))
+        for run, step in (("A", 2), ("A", 4), ("B", 4)):
+            for group, bufs in zip(masks, _buffers(tmp, run, step, r)):
+                assert sorted(group) == sorted(bufs)
+                for key, pad in group.items():
+                    assert bool((bufs[key][pad] == 0).all()), (run, step, r, key)
+        for group, a, n in zip(masks, _buffers(tmp, "A", 4, r), _buffers(tmp, "nanpad", 4, r)):
+            for key, pad in group.items():
+                assert bool(torch.isnan(n[key][pad]).all()), (r, key)  # never written
+                assert torch.equal(n[key][~pad], a[key][~pad]), (r, key)  # and never read
+    assert pad_counts[-1] > 0, pad_counts  # this layout has padding (on the last rank at least)
+    assert losses(tmp / "nanpad.jsonl") == losses(tmp / "A.jsonl")  # bit-identical
 
 
 def test_another_layout_is_refused_before_reading_shards(job):

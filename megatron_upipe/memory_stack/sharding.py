@@ -18,6 +18,15 @@ ReduceOp.PREMUL_SUM with Gloo"); it is also what megatron-core's optimizer and c
 Shapes: buffers are flat; parameters become DTensors whose local part is this rank's slice of the flat buffer
 (uneven: a small tensor may live entirely on one rank). Pipeline parallelism is not combined with it here (untested).
 
+Padding: each flat buffer is padded to a multiple of dp·cp x its chunk size (and parameters are aligned to chunks),
+so some elements of a rank's shard back no parameter (in the tests' tiny model: only in the last rank's). Megatron-FSDP
+allocates the persistent buffers with torch.empty and never writes those elements: they held whatever the
+allocator last left there, which went into checkpoints and made two bit-identical training states compare unequal
+(torch.equal is False on a NaN bit pattern, identical or not). Nothing reads them (parameters, the optimizer's
+DTensors and the all-gathers' consumers see only the parameters' slices; filled with NaN they change no loss and no
+weight: tests/test_fsdp_checkpoint.py), so `wrap_fully_sharded` zeroes them once (`zero_buffer_padding`), and they
+stay zero. The gradient buffer's padding is not state (zeroed every step) and is left alone.
+
 Checkpoints: megatron-core's dist_checkpointing refuses this optimizer ("NotImplementedError: sharding_type
 fully_sharded_model_space is not supported with Megatron FSDP"); its "fsdp_dtensor" format goes through
 torch.distributed.checkpoint and needs Megatron-LM's preprocessing of uneven DTensors, and ranks hold different
@@ -70,7 +79,44 @@ def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_
                          "use parallel.pp=1 or memory.shard_model_states=false")
     ddp_config = ddp_config if ddp_config is not None else fsdp_ddp_config()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return FullyShardedDataParallel(tconfig, ddp_config, model, device=device, pg_collection=pg_collection)
+    wrapped = FullyShardedDataParallel(tconfig, ddp_config, model, device=device, pg_collection=pg_collection)
+    zero_buffer_padding(wrapped)  # allocated with torch.empty: whatever the allocator left (see the module docstring)
+    return wrapped
+
+
+PERSISTENT_BUFFERS = ("model_weight_buffer", "main_weight_buffer", "transpose_weight_buffer")  # state across steps
+
+
+def buffer_padding(fsdp_model) -> list[dict[str, torch.Tensor]]:
+    """Per Megatron-FSDP parameter group, {persistent buffer name: bool mask over this rank's flat buffer [n]}, True
+    where the element backs no parameter (chunk alignment, and the padding of the last shard)."""
+    out = []
+    for group in fsdp_model.param_and_grad_buffer.parameter_groups:
+        masks = {}
+        for attr in PERSISTENT_BUFFERS:
+            buf = getattr(group, attr, None)
+            data = getattr(buf, "data", None) if buf is not None else None
+            if data is None:
+                continue
+            pad = torch.ones(data.numel(), dtype=torch.bool, device=data.device)
+            for item_id in range(len(buf.params)):
+                item = buf.get_item(item_id)  # this rank's part of parameter item_id: a view into buf.data
+                start = item.storage_offset() - data.storage_offset()
+                pad[start:start + item.numel()] = False
+            masks[attr] = pad
+        out.append(masks)
+    return out
+
+
+@torch.no_grad()
+def zero_buffer_padding(fsdp_model) -> int:
+    """Zero the elements of this rank's persistent Megatron-FSDP buffers that back no parameter; returns how many."""
+    n = 0
+    for group, masks in zip(fsdp_model.param_and_grad_buffer.parameter_groups, buffer_padding(fsdp_model)):
+        for attr, pad in masks.items():
+            getattr(group, attr).data.masked_fill_(pad, 0)
+            n += int(pad.sum())
+    return n
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
