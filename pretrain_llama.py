@@ -38,6 +38,7 @@ import argparse
 import os
 import sys
 
+from megatron_upipe.cli import ArgumentParser
 from megatron_upipe.config import (
     Config, ConfigError, Plan, check_paths, load_config, machine_problems, to_yaml, validate,
 )
@@ -47,7 +48,7 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file (omit to start from the defaults)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. parallel.cp=8 train.lr=1e-4")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")

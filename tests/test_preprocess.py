@@ -71,7 +71,9 @@ def test_shipped_index_is_reproduced_by_the_cli(tmp_path, monkeypatch, capsys):
     argv = ["preprocess_data.py", "--input", str(REPO / "data" / "corpus"), "--tokenizer", str(SPM),
             "--output-prefix", str(tmp_path / "corpus"), "--workers", "2", "--no-progress"]
     monkeypatch.setattr(sys, "argv", argv)
-    runpy.run_path(str(REPO / "tools" / "preprocess_data.py"), run_name="__main__")
+    with pytest.raises(SystemExit) as done:  # the script ends in sys.exit(main())
+        runpy.run_path(str(REPO / "tools" / "preprocess_data.py"), run_name="__main__")
+    assert done.value.code == 0
     assert "1262 documents" in capsys.readouterr().out
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"corpus_text_document{ext}").read_bytes() == Path(f"{SHIPPED_PREFIX}{ext}").read_bytes()

@@ -157,6 +157,8 @@ def test_training_is_deterministic_and_reproduces_the_shipped_model(tmp_path):
 def test_train_tokenizer_cli(tmp_path, monkeypatch, capsys):
     argv = ["train_tokenizer.py", "--input", str(REPO / "data" / "corpus"), "--model-prefix", str(tmp_path / "spm")]
     monkeypatch.setattr(sys, "argv", argv)
-    runpy.run_path(str(REPO / "tools" / "train_tokenizer.py"), run_name="__main__")
+    with pytest.raises(SystemExit) as done:  # the script ends in sys.exit(main())
+        runpy.run_path(str(REPO / "tools" / "train_tokenizer.py"), run_name="__main__")
+    assert done.value.code == 0
     assert "vocab_size=4096 eod=2 pad=3" in capsys.readouterr().out
     assert (tmp_path / "spm.model").read_bytes() == SPM.read_bytes()

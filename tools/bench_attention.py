@@ -5,7 +5,8 @@
     python tools/bench_attention.py --cp 2 --u 2 8 32 --dtype bfloat16
 
 Spawns --cp processes (gloo on CPU; NCCL when --cp GPUs are visible), prints a table on rank 0 and writes JSON.
-Library code: megatron_upipe/benchmarks/attention.py.
+Shapes that cannot run (heads vs KV heads vs --cp, an illegal --u, a length not divisible by --cp) are refused in
+one line, exit 2, before any process starts. Library code: megatron_upipe/benchmarks/attention.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 
 import torch
@@ -21,7 +23,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_upipe.benchmarks.attention import BenchConfig, report, run_rank  # noqa: E402
+from megatron_upipe.benchmarks.attention import DTYPES, BenchConfig, check, report, run_rank  # noqa: E402
+from megatron_upipe.cli import ArgumentParser, fail, non_negative_int, positive_int  # noqa: E402
+
+PROG = "bench_attention.py"
 
 
 def _worker(rank, C, port, cfg, json_path, queue):
@@ -51,28 +56,35 @@ def _worker(rank, C, port, cfg, json_path, queue):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=None, help="model dim D (default heads * head-dim)")
-    p.add_argument("--seq-len", type=int, default=2048, help="global sequence length N")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--cp", type=int, default=2, help="context-parallel ranks C (processes)")
-    p.add_argument("--u", type=int, nargs="*", default=[], help="heads per stage to run (default: every legal U)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--check-seq-len", type=int, default=256)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=3)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--hidden", type=positive_int, default=None, help="model dim D (default heads * head-dim)")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="global sequence length N")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--cp", type=positive_int, default=2, help="context-parallel ranks C (processes)")
+    p.add_argument("--u", type=positive_int, nargs="*", default=[], help="heads per stage to run (default: every "
+                   "legal U)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--check-seq-len", type=positive_int, default=256)
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--iters", type=positive_int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
-    cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.hidden, a.seq_len, a.batch, tuple(a.u), a.dtype,
-                      a.check_seq_len, a.warmup, a.iters)
-    from tests.dist_helper import free_port  # noqa: E402  (tiny helper; the repo root is on sys.path)
+    try:
+        cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.hidden, a.seq_len, a.batch, tuple(a.u), a.dtype,
+                          a.check_seq_len, a.warmup, a.iters)
+        check(cfg, a.cp)
+    except ValueError as e:
+        return fail(PROG, f"{e} (--heads {a.heads} --kv-heads {a.kv_heads} --cp {a.cp} --seq-len {a.seq_len} "
+                          f"--check-seq-len {a.check_seq_len}{' --u ' + ' '.join(map(str, a.u)) if a.u else ''})")
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     procs = [ctx.Process(target=_worker, args=(r, a.cp, port, cfg, a.json, queue)) for r in range(a.cp)]
     for proc in procs:
         proc.start()

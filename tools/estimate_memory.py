@@ -22,13 +22,16 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megatron_upipe.cli import ArgumentParser, fail, positive_int  # noqa: E402
 from megatron_upipe.config import ConfigError, validate  # noqa: E402
 from megatron_upipe.planner.devices import (  # noqa: E402
     DEFAULT_GPU, GIB, GPUS, NCCL_TOPOLOGIES, margins_for, resolve_gpu,
 )
 from megatron_upipe.planner.estimate import (  # noqa: E402
-    ConfigSource, estimate, format_breakdown, format_named, max_context, plot, write_json,
+    ConfigSource, estimate, format_breakdown, format_named, max_context, plot, strategy_config, write_json,
 )
+
+PROG = "estimate_memory.py"
 
 
 def _vocab_size(config, plan) -> int:
@@ -56,11 +59,11 @@ def _margins(a, gpu_model, world: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    p.add_argument("--world-size", type=int, default=None, help="GPUs (default: the config's '# world_size' comment "
-                   "or tp*pp*cp)")
+    p.add_argument("--world-size", type=positive_int, default=None, help="GPUs (default: the config's "
+                   "'# world_size' comment or tp*pp*cp)")
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU model ({', '.join(GPUS)}, local) or usable GiB per GPU; "
                    f"capacity is what the device reports (default {DEFAULT_GPU}: 79.65 GiB)")
     p.add_argument("--nccl-topology", default=None, choices=sorted(NCCL_TOPOLOGIES),
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", default=None, help="comma list of none, ulysses, upipe, upipe:U "
                    "(default: the config's own strategy)")
     p.add_argument("--max-context", action="store_true", help="search the longest context that fits (128K steps)")
-    p.add_argument("--max-tokens", type=int, default=32 * 1024 * 1024, help="upper bound of the search")
+    p.add_argument("--max-tokens", type=positive_int, default=32 * 1024 * 1024, help="upper bound of the search")
     p.add_argument("--cuda-context-gib", type=float, default=None, help="override the CUDA-context margin")
     p.add_argument("--nccl-gib", type=float, default=None, help="override the topology's NCCL margin")
     p.add_argument("--fragmentation", type=float, default=None, help="override the fragmentation fraction")
@@ -88,12 +91,13 @@ def main(argv=None) -> int:
         vocab = _vocab_size(config, plan)
         gpu_model = resolve_gpu(a.gpu)
         margins = _margins(a, gpu_model, world)
+        strategies = a.strategies.split(",") if a.strategies else [
+            p_.cp_strategy if p_.cp_strategy != "upipe" or p_.upipe_heads_per_stage is None
+            else f"upipe:{p_.upipe_heads_per_stage}"]
+        for strategy in strategies:  # a name the planner does not know, an illegal U: refused before simulating
+            validate(strategy_config(source, strategy, config.train.seq_length), world)
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    strategies = a.strategies.split(",") if a.strategies else [
-        p_.cp_strategy if p_.cp_strategy != "upipe" or p_.upipe_heads_per_stage is None
-        else f"upipe:{p_.upipe_heads_per_stage}"]
+        return fail(PROG, e)
     gpu = gpu_model.total_bytes
     print(f"planning {a.config} on {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB: {gpu_model.source}): "
           f"{plan.arch}", flush=True)

@@ -126,11 +126,17 @@ def strategies(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
     return [("ulysses", cfg.num_heads)] + [("upipe", u) for u in us]
 
 
-def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -> list[StrategyResult]:
-    dtype = DTYPES[cfg.dtype]
+def check(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
+    """The (strategy, U) pairs to run on C ranks; a ValueError naming the value for a shape that cannot run (called
+    by the CLI before it spawns any rank, and by every rank)."""
     if cfg.seq_len % C or cfg.check_seq_len % C:
         raise ValueError(f"seq_len={cfg.seq_len} and check_seq_len={cfg.check_seq_len} must be multiples of C={C}")
-    plan = strategies(cfg, C)
+    return strategies(cfg, C)
+
+
+def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -> list[StrategyResult]:
+    dtype = DTYPES[cfg.dtype]
+    plan = check(cfg, C)
     shape = AttentionShape(cfg.seq_len, cfg.batch, cfg.model_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            C, torch.tensor([], dtype=dtype).element_size())
     results = []

@@ -24,20 +24,27 @@ def read_documents(inputs: list[Path], json_key: str = "text") -> Iterator[str]:
     for path in inputs:
         if not path.is_file():
             raise FileNotFoundError(f"input file not found: {path}")
-        if not is_jsonl(path):
-            yield path.read_text(encoding="utf-8")
-            continue
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
-                if not isinstance(obj, dict) or not isinstance(obj.get(json_key), str):
-                    raise ValueError(f"{path}:{lineno}: no string field {json_key!r} (set --json-key)")
-                yield obj[json_key]
+        try:
+            yield from _documents_of(path, json_key)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason}): convert it to UTF-8") from exc
+
+
+def _documents_of(path: Path, json_key: str) -> Iterator[str]:
+    if not is_jsonl(path):
+        yield path.read_text(encoding="utf-8")
+        return
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get(json_key), str):
+                raise ValueError(f"{path}:{lineno}: no string field {json_key!r} (set --json-key)")
+            yield obj[json_key]
 
 
 def expand_inputs(patterns: list[str]) -> list[Path]:

@@ -98,7 +98,8 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
     chunks = _chunks(read_documents(list(config.inputs), config.json_key), config.chunk_size)
 
     documents = tokens = skipped = 0
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    partial = Path(f"{prefix}.bin.partial")  # renamed over <prefix>.bin/.idx only once complete
+    builder = IndexedDatasetBuilder(str(partial), dtype=dtype)
     with tqdm(unit="doc", desc=f"tokenizing -> {prefix.name}", disable=not config.progress) as bar:
         pool = (multiprocessing.get_context("spawn").Pool(config.workers, _init_worker, (encoder,))
                 if config.workers > 1 else None)
@@ -113,9 +114,14 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
                     documents += 1
                     tokens += len(ids)
                 bar.update(len(encoded))
+        except BaseException:
+            partial.unlink(missing_ok=True)  # a failed run leaves no half-written dataset (nor an old .idx beside it)
+            raise
         finally:
             if pool:
                 pool.close()
                 pool.join()
-    builder.finalize(str(prefix) + ".idx")
+    builder.finalize(f"{prefix}.idx.partial")
+    Path(f"{prefix}.idx.partial").replace(f"{prefix}.idx")
+    partial.replace(f"{prefix}.bin")
     return PreprocessStats(prefix, documents, tokens, skipped)

@@ -39,26 +39,40 @@ def train_sentencepiece(
 
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    sentences = (doc for doc in read_documents(inputs, json_key) if doc.strip())
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=sentences,
-        model_writer=buffer,
-        vocab_size=config.vocab_size,
-        model_type=config.model_type,
-        character_coverage=config.character_coverage,
-        max_sentence_length=config.max_sentence_length,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-        num_threads=1,
-        input_sentence_size=0,  # use every document, no random sampling
-        shuffle_input_sentence=False,
-        minloglevel=2,
-    )
+    input_errors: list[Exception] = []
+
+    def sentences():  # an input error is raised as itself, not inside sentencepiece's RuntimeError
+        try:
+            yield from (doc for doc in read_documents(inputs, json_key) if doc.strip())
+        except (OSError, ValueError) as exc:
+            input_errors.append(exc)
+
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=sentences(),
+            model_writer=buffer,
+            vocab_size=config.vocab_size,
+            model_type=config.model_type,
+            character_coverage=config.character_coverage,
+            max_sentence_length=config.max_sentence_length,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            byte_fallback=True,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+            num_threads=1,
+            input_sentence_size=0,  # use every document, no random sampling
+            shuffle_input_sentence=False,
+            minloglevel=2,
+        )
+    except RuntimeError:
+        if input_errors:
+            raise input_errors[0] from None
+        raise
+    if input_errors:
+        raise input_errors[0]
     model_path = model_prefix.with_name(model_prefix.name + ".model")
     model_path.write_bytes(buffer.getvalue())
     return model_path

@@ -89,15 +89,21 @@ def strategy_overrides(strategy: str, cp: int) -> list[str]:
     if name == "upipe":
         return [f"parallel.cp={cp}", "parallel.cp_strategy=upipe",
                 f"parallel.upipe_heads_per_stage={u if u else 'null'}"]
-    raise ValueError(f"strategy {strategy!r} is unknown; use none, ulysses, upipe or upipe:U")
+    raise ValueError(f"strategy {strategy!r} is not one the planner simulates: use none, ulysses, upipe or upipe:U "
+                     f"(--strategies)")
+
+
+def strategy_config(source: ConfigSource, strategy: str, seq_length: int) -> Config:
+    """The config that `estimate` simulates for `strategy` at `seq_length` (ConfigError/ValueError if none)."""
+    extra = strategy_overrides(strategy, source.load().parallel.cp) + [f"train.seq_length={seq_length}"]
+    if strategy == "none":  # the spare ranks become data parallel, with the global batch following
+        extra += ["parallel.dp=null", "train.global_batch_size=null"]
+    return source.load(extra)
 
 
 def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, seq_length: int,
              gpu_mem_bytes: int, margins: Margins = Margins(), named_bytes: int = 0) -> Estimate:
-    extra = strategy_overrides(strategy, source.load().parallel.cp) + [f"train.seq_length={seq_length}"]
-    if strategy == "none":  # the spare ranks become data parallel, with the global batch following
-        extra += ["parallel.dp=null", "train.global_batch_size=null"]
-    cfg = source.load(extra)
+    cfg = strategy_config(source, strategy, seq_length)
     step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes)  # 2 + 3 layers, extrapolated
     workspace = flash_workspace_bytes(cfg, world_size)
     breakdown = dict(step.breakdown)
