@@ -169,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(env)
         plan = validate(config, world_size)
         check_paths(config)
-        if args.dry_run:
+        if args.dry_run:  # --check-machine: all ranks on this node
             local_ranks = plan.world_size if args.check_machine else None
-        else:
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+        else:  # torchrun's count of ranks on this node (GPUs are not counted against it without one)
+            local = os.environ.get("LOCAL_WORLD_SIZE", "")
+            local_ranks = int(local) if local.isdigit() else None
         on_this_machine = machine_problems(config, local_ranks)
     except ConfigError as e:
         report(str(e))

@@ -101,6 +101,14 @@ def test_dry_run_judges_the_config_and_the_real_start_this_machine(environ, caps
     assert call(pretrain_llama.main, [*nccl, "parallel.cp=1"]) == 2  # no torchrun: one process, then the machine
     assert fix in one_error_line(capsys.readouterr().err, "pretrain_llama.py")
 
+    # Under torchrun (rank 0 of 8 on this node) with 2 GPUs: the GPU count is checked against LOCAL_WORLD_SIZE.
+    monkeypatch.setattr(machine, "_gpu_count", lambda: 2)
+    os.environ.update(WORLD_SIZE="8", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="8", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29999")
+    assert call(pretrain_llama.main, ["--config", TINY, "dist.backend=auto"]) == 2
+    assert ("8 ranks on this node (torchrun --nproc-per-node) but 2 GPU(s) visible: use --nproc-per-node 2"
+            in one_error_line(capsys.readouterr().err, "pretrain_llama.py"))
+
 
 def test_without_torchrun(environ, capsys, monkeypatch):
     monkeypatch.setattr(pretrain_llama, "run_job", lambda *a: pytest.fail("run_job reached"))
