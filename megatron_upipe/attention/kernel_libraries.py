@@ -236,7 +236,7 @@ def te_fused_backend(api: TEAPI, batch: int, q_heads: int, kv_heads: int, seq_le
     wanted = dict(qkv_type=torch.Tensor, qkv_dtype=dtype, qkv_layout=_TE_LAYOUT, batch_size=batch, num_heads=q_heads,
                   num_gqa_groups=kv_heads, max_seqlen_q=seq_len, max_seqlen_kv=seq_len, head_dim_qk=head_dim,
                   head_dim_v=head_dim, head_dim=head_dim, attn_mask_type=mask, window_size=window,
-                  attention_dropout=0.0, is_training=True, fp8=False)
+                  bottom_right_diagonal=False, attention_dropout=0.0, is_training=True, fp8=False)
     names = {f.name for f in fields(api.attention_params)}
     try:
         result = api.get_attention_backend(api.attention_params(**{k: v for k, v in wanted.items() if k in names}))
