@@ -426,9 +426,9 @@ def _kernel_calls_in_model(rank, world_size, name):
     asked, fwd, bwd = [], [], []
     real = (api.select_kernel, upipe.kernel_forward, upipe.kernel_backward)
 
-    def select_spy(device, dtype, head_dim, name=None):
+    def select_spy(device, dtype, head_dim, name=None, **kwargs):
         asked.append(name)
-        return real[0](device, dtype, head_dim, name)
+        return real[0](device, dtype, head_dim, name, **kwargs)
 
     def fwd_spy(kernel, *args, **kwargs):
         fwd.append(kernel.name)
