@@ -114,8 +114,10 @@ def zero_buffer_padding(fsdp_model) -> int:
     n = 0
     for group, masks in zip(fsdp_model.param_and_grad_buffer.parameter_groups, buffer_padding(fsdp_model)):
         for attr, pad in masks.items():
-            getattr(group, attr).data.masked_fill_(pad, 0)
-            n += int(pad.sum())
+            buf = getattr(group, attr)
+            buf.data.masked_fill_(pad, 0)
+            # counted from the (disjoint) items, not pad.sum(): the memory planner runs this on fake tensors
+            n += buf.data.numel() - sum(buf.get_item(i).numel() for i in range(len(buf.params)))
     return n
 
 

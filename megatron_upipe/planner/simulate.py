@@ -1,22 +1,24 @@
 """Rank 0's training step at full scale, without memory: fake tensors, a fake process group, the real code.
 
-`simulate_step(config, world_size)` builds the model, DDP wrapper and optimizer of pipeline stage 0 exactly as
-`pretrain_llama.py` does (same builders), under `FakeTensorMode` and torch's fake process group of `world_size`
-ranks, then runs a steady-state training step inside a `PeakMemoryTracker`: Adam's moments exist (as after the
+`simulate_step(config, world_size)` builds the model, wrapper (megatron-core DDP, or Megatron-FSDP with
+memory.shard_model_states) and optimizer of pipeline stage 0 exactly as `pretrain_llama.py` does (same builders),
+under `FakeTensorMode` and torch's fake process group of `world_size` ranks (compat/fsdp.py: what Megatron-FSDP
+needs there), then runs a steady-state training step inside a storage tracker: Adam's moments exist (as after the
 first update) and megatron-core's forward/backward schedule runs over every micro-batch. The update itself is not
 run (it reads the gradient norm with .item(), which fake tensors cannot answer); with a fused Adam
 (TransformerEngine/apex on GPU) it allocates no full-size temporaries. The model states made during the build are registered
 with the tracker as such; everything the step allocates is attributed by the Python stack at allocation time.
 
 Categories: params, grads, optimizer (fp32 main weights and Adam moments), checkpoints (transformer-layer inputs
-alive: the recompute checkpoints), attention, mlp, loss (LM head, cross-entropy), norms, embedding, other.
+alive: the recompute checkpoints), attention, mlp, loss (LM head, cross-entropy), norms, embedding, Megatron-FSDP's
+unsharded buckets ("fsdp: gathered params", "fsdp: grad buckets": its all-gathered compute weights and the fp32
+gradient buckets waiting for their reduce-scatter; sharded model states count as params/grads/optimizer), other.
 Host memory (offloaded checkpoints) comes from the offloader's ledger. Kernel workspaces the tracker cannot see
 are added by the caller (estimate.py). Must run in a process without a process group.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -236,17 +238,13 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     from megatron_upipe.step import forward_backward
     from megatron_upipe.training.optim import build_optimizer, wrap_model
 
-    zero3 = planning and config.memory.shard_model_states
-    if zero3:  # Megatron-FSDP cannot wrap fake parameters: plan it as DDP + sharded optimizer, then shard (below)
-        config = dataclasses.replace(config, memory=dataclasses.replace(config.memory, shard_model_states=False),
-                                     train=dataclasses.replace(config.train, distributed_optimizer=True))
     recompute = None if config.memory.recompute == "none" else config.memory.recompute
     tconfig = llama_transformer_config(plan.arch, layout, dtype=torch.bfloat16 if bf16 else torch.float32,
                                        init_method_std=config.model.init_method_std, recompute_granularity=recompute)
     stage = build_llama(plan.arch, layout, pg, vocab_size=vocab_size, config=tconfig,
                         **_memory_kwargs(config, plan, bf16))
-    ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
-    with _symmetric_object_collectives() if planning else nullcontext():
+    with _fake_world() if planning else nullcontext():
+        ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
         optimizer, _ = build_optimizer(ddp, tconfig, config, planning=planning)
     mem = _PlannerTracker(named_bytes)
     with tracked_step(mem, stage.model, ddp, optimizer) as state_bytes:
@@ -257,7 +255,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
         tokens = torch.zeros(b, s, dtype=torch.long)
         batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(s).expand(b, s),
                  "loss_mask": torch.ones(b, s)}
-        with _uncoalesced_grad_collectives() if planning else nullcontext():
+        with _fake_world() if planning else nullcontext():
             forward_backward(ddp, iter([batch] * plan.num_microbatches), num_microbatches=plan.num_microbatches,
                              seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size, forward_only=False)
         for h in handles:
@@ -267,39 +265,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     step = StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
                       n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown),
                       tuple(mem.peak_named), tuple(mem.attention_peak_named))
-    return _shard_model_states(step, stage.model, pg.dp_cp.size()) if zero3 else step
-
-
-def _shard_model_states(step: StepMemory, model, shards: int) -> StepMemory:
-    """ZeRO-3 from the DDP + sharded-optimizer run: parameters and gradients, alive through the whole step, go
-    from full to 1/shards, plus Megatron-FSDP's just-in-time buffers: two layers' parameters (the one computing
-    and the prefetched next) and one layer's fp32 gradients being reduce-scattered. An analytic step on top of
-    the simulation (Megatron-FSDP cannot wrap fake parameters), stated in the breakdown."""
-    layers = [m for m in model.modules() if type(m).__name__ == "TransformerLayer"]
-    layer = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
-    layer_numel = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
-
-    def adjust(breakdown: dict) -> dict:
-        out = dict(breakdown)
-        for key in ("params", "grads"):
-            out[key] = -(-out.get(key, 0) // shards)
-        out["fsdp: gathered layer params"] = 2 * layer
-        out["fsdp: layer grads in flight"] = 4 * layer_numel
-        return out
-
-    def adjust_named(named) -> tuple:
-        out = [(c, site, -(-n // shards) if c in ("params", "grads") and site.startswith("model state") else n)
-               for c, site, n in named]
-        return (*out, ("fsdp: gathered layer params", "analytic", 2 * layer),
-                ("fsdp: layer grads in flight", "analytic", 4 * layer_numel))
-
-    peak, at_attention = adjust(step.breakdown), adjust(step.attention_peak_breakdown or {})
-    saved = sum(step.breakdown.get(k, 0) for k in ("params", "grads")) - peak["params"] - peak["grads"]
-    return dataclasses.replace(
-        step, peak_bytes=sum(peak.values()), breakdown=peak, model_state_bytes=step.model_state_bytes - saved,
-        attention_peak_bytes=sum(at_attention.values()) if step.attention_peak_breakdown else 0,
-        attention_peak_breakdown=at_attention, peak_named=adjust_named(step.peak_named),
-        attention_peak_named=adjust_named(step.attention_peak_named))
+    return step
 
 
 class _RealInputsStayReal(TorchDispatchMode):
@@ -348,51 +314,16 @@ def simulate_step(config: Config, world_size: int, vocab_size: int, named_bytes:
 
 
 @contextmanager
-def _symmetric_object_collectives():
-    """Object collectives pickle into tensors and read sizes back with .item(), which fake tensors cannot do;
-    the fake world's ranks are symmetric, so every rank's object is taken to be rank 0's."""
-    original = dist.all_gather_object
+def _fake_world():
+    """What megatron-core's wrappers need under fake tensors and the fake process group (compat.fsdp): object
+    collectives of symmetric ranks, bucket collectives issued one by one (DDP's and Megatron-FSDP's buffers), and
+    Megatron-FSDP's module.to of fake parameters skipped."""
+    import megatron.core.distributed.param_and_grad_buffer as ddp_buffers
 
-    def all_gather_object(object_list, obj, group=None):
-        object_list[:] = [obj] * len(object_list)
+    from megatron_upipe.compat.fsdp import fake_tensor_fsdp, one_by_one_collectives
 
-    dist.all_gather_object = all_gather_object
-    try:
+    with fake_tensor_fsdp(), one_by_one_collectives(ddp_buffers):
         yield
-    finally:
-        dist.all_gather_object = original
-
-
-class _Works:
-    """Stands in for the coalescing manager's handle: waits on the collectives issued inside it."""
-
-    def __init__(self) -> None:
-        self.works: list = []
-
-    def wait(self) -> None:
-        for w in self.works:
-            if w is not None:
-                w.wait()
-
-
-@contextmanager
-def _uncoalesced_grad_collectives():
-    """megatron-core batches the gradient/parameter collectives of its buckets in torch's `_coalescing_manager`,
-    whose coalesced c10d ops have no fake-tensor implementation; in the simulated step they are issued one by one
-    (same buffers, same memory; only the launch batching differs)."""
-    import megatron.core.distributed.param_and_grad_buffer as pgb
-
-    original = pgb._coalescing_manager
-
-    @contextmanager
-    def one_by_one(group=None, device=None, async_ops=False):
-        yield _Works()
-
-    pgb._coalescing_manager = one_by_one
-    try:
-        yield
-    finally:
-        pgb._coalescing_manager = original
 
 
 def _memory_kwargs(config: Config, plan, bf16: bool) -> dict:
