@@ -25,10 +25,10 @@ Launch:
     # plan a run without launching it
     python pretrain_llama.py --config examples/configs/qwen3_32b_upipe_16xh100.yaml --dry-run --world-size 16
 
-Exit status: 0 on success; 2 for a configuration error (the same message on every rank) or an unusable checkpoint
-(another model shape or tokenizer, none where checkpoint.resume=true); 3 when train.nan_policy=stop met a non-finite
-loss or gradient (the message names the step); 4 when another rank died or did not answer within dist.timeout_s;
-5 when SIGTERM or SIGUSR1 stopped the run at a step boundary after saving a checkpoint (checkpoint.save_on_signal;
+Exit status: 0 on success; 2 for a configuration error or what this machine lacks for it (one line per problem, the
+same on every rank) or an unusable checkpoint (another model shape or tokenizer, none where checkpoint.resume=true);
+3 when train.nan_policy=stop met a non-finite loss or gradient (the message names the step); 4 when another rank
+died or did not answer within dist.timeout_s; 5 when SIGTERM or SIGUSR1 stopped the run at a step boundary after saving a checkpoint (checkpoint.save_on_signal;
 relaunch the same command to resume).
 """
 
