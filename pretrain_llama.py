@@ -28,8 +28,8 @@ Launch:
 Exit status: 0 on success; 2 for a configuration error or what this machine lacks for it (one line per problem, the
 same on every rank) or an unusable checkpoint (another model shape or tokenizer, none where checkpoint.resume=true);
 3 when train.nan_policy=stop met a non-finite loss or gradient (the message names the step); 4 when another rank
-died or did not answer within dist.timeout_s; 5 when SIGTERM or SIGUSR1 stopped the run at a step boundary after saving a checkpoint (checkpoint.save_on_signal;
-relaunch the same command to resume).
+died or did not answer within dist.timeout_s; 5 when SIGTERM or SIGUSR1 stopped the run at a step boundary after
+saving a checkpoint (checkpoint.save_on_signal; relaunch the same command to resume).
 """
 
 from __future__ import annotations
