@@ -326,3 +326,14 @@ def test_config_imports_neither_torch_nor_megatron():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.attention_kernel=sdpa_flash", "parallel.cp_strategy=none", "parallel.cp=1"],
+     "applies to parallel.cp_strategy upipe/ulysses only"),
+    (["model.attention_kernel=flash_attn", "dist.backend=gloo"], "is a CUDA kernel but dist.backend=gloo"),
+    (["model.attention_kernel=cpu_flash", "dist.backend=nccl"], "runs on CPU but dist.backend=nccl"),
+])
+def test_an_attention_kernel_that_cannot_serve_the_config_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config("examples/configs/tiny_cpu.yaml", overrides), 2)

@@ -133,6 +133,16 @@ def validate(config: Config, world_size: int) -> Plan:
     if config.memory.attention_grad_accum != "fp32" and p.cp_strategy not in ("ulysses", "upipe"):
         errors.append(f"memory.attention_grad_accum={config.memory.attention_grad_accum} applies to the UPipe/Ulysses "
                       f"attention op only: set parallel.cp_strategy=upipe/ulysses or memory.attention_grad_accum=fp32")
+    kernel = config.model.attention_kernel
+    if kernel != "auto" and p.cp_strategy not in ("ulysses", "upipe"):
+        errors.append(f"model.attention_kernel={kernel} applies to parallel.cp_strategy upipe/ulysses only "
+                      f"(megatron-core's attention picks its own kernel): set model.attention_kernel=auto")
+    elif kernel not in ("auto", "cpu_flash") and config.dist.backend == "gloo":
+        errors.append(f"model.attention_kernel={kernel} is a CUDA kernel but dist.backend=gloo runs on CPU: set "
+                      f"model.attention_kernel=auto or cpu_flash")
+    elif kernel == "cpu_flash" and config.dist.backend == "nccl":
+        errors.append("model.attention_kernel=cpu_flash runs on CPU but dist.backend=nccl runs on GPUs: set "
+                      "model.attention_kernel=auto or a CUDA kernel")
 
     # sequence length vs cp (and tp under sequence parallel)
     multiple = _seq_multiple(config)

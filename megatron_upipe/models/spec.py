@@ -82,7 +82,10 @@ def _te_layer_spec(strategy: str) -> tuple[ModuleSpec, type]:
 
 def _op_kernel(name: str, config: TransformerConfig, device) -> str | None:
     """`model.attention_kernel` as the op's `kernel` argument (None = automatic choice), refused here if unknown
-    or, given the run's device, unusable there with the activation dtype and head dim."""
+    or, given the run's device, unusable there with the activation dtype and head dim. A kernel object (the
+    planner's `kernels.planning_kernel` stand-ins) passes through as it is."""
+    if not isinstance(name, str):
+        return name
     if name == "auto":
         return None
     from megatron_upipe.attention.kernels import KERNELS, select_kernel
@@ -131,7 +134,7 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
     if grad_accum != "fp32" and strategy not in ("ulysses", "upipe"):
         raise ValueError(f"attention_grad_accum={grad_accum!r} applies to cp_strategy 'ulysses' or 'upipe' only; "
                          f"set memory.attention_grad_accum=fp32 for cp_strategy={strategy!r}")
-    if attention_kernel != "auto" and strategy not in ("ulysses", "upipe"):
+    if isinstance(attention_kernel, str) and attention_kernel != "auto" and strategy not in ("ulysses", "upipe"):
         raise ValueError(f"model.attention_kernel={attention_kernel} applies to cp_strategy 'ulysses' or 'upipe' only "
                          f"(megatron-core's attention picks its own kernel); set model.attention_kernel=auto for "
                          f"cp_strategy={strategy!r}")

@@ -32,9 +32,12 @@ def flash_workspace_bytes(config: Config, world_size: int) -> int:
     """Scratch of one flash-attention backward call (flash-attn 2 layout), per rank, for this config's stage.
 
     dq accumulator in fp32 [b, N, m, d], softmax row statistic fp32 [b, m, N], and, when the call's query heads
-    outnumber its KV heads, dK/dV expanded to the query heads in bf16 (2 x [b, N, m, d]). m and the KV heads of
-    one call follow the UPipe schedule (m = U / C; Ulysses: all local heads).
+    outnumber its KV heads, dK/dV expanded to the query heads in bf16 (2 x [b, N, m, d]) inside a GQA-native
+    kernel (a kernel without native GQA gets K/V and dK/dV expanded by our op, where the tracker already counts
+    them). m and the KV heads of one call follow the UPipe schedule (m = U / C; Ulysses: all local heads).
     """
+    from megatron_upipe.attention.kernels import planning_kernel
+
     plan = validate(config, world_size)
     H, G, C = plan.local_heads, plan.local_kv_heads, config.parallel.cp
     U = plan.heads_per_stage if config.parallel.cp_strategy == "upipe" else H
@@ -43,7 +46,8 @@ def flash_workspace_bytes(config: Config, world_size: int) -> int:
     b, N, d = plan.micro_batch_size, plan.seq_length, plan.arch.kv_channels
     dq_accum = b * N * m * d * 4
     stats = b * m * N * 4
-    expanded = 2 * b * N * m * d * 2 if m > w else 0
+    native = config.model.attention_kernel == "cpu_flash" or planning_kernel(config.model.attention_kernel).native_gqa
+    expanded = 2 * b * N * m * d * 2 if m > w and native else 0
     return dq_accum + stats + expanded
 
 

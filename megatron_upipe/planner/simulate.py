@@ -242,6 +242,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     tconfig = llama_transformer_config(plan.arch, layout, dtype=torch.bfloat16 if bf16 else torch.float32,
                                        init_method_std=config.model.init_method_std, recompute_granularity=recompute)
     stage = build_llama(plan.arch, layout, pg, vocab_size=vocab_size, config=tconfig,
+                        attention_kernel=_planned_kernel(config) if planning else config.model.attention_kernel,
                         **_memory_kwargs(config, plan, bf16))
     with _fake_world() if planning else nullcontext():
         ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
@@ -324,6 +325,20 @@ def _fake_world():
 
     with fake_tensor_fsdp(), one_by_one_collectives(ddp_buffers):
         yield
+
+
+def _planned_kernel(config: Config):
+    """The kernel the run will call: on GPUs (dist.backend=nccl) a CPU stand-in of the GPU kernel allocating what
+    it allocates ("auto": kernels.PLAN_AUTO_AS); on CPU (gloo) the CPU kernel itself. UPipe/Ulysses only: other
+    strategies use megatron-core's attention."""
+    from megatron_upipe.attention.kernels import planning_kernel
+
+    name = config.model.attention_kernel
+    if config.parallel.cp_strategy not in ("ulysses", "upipe") or name == "cpu_flash":
+        return name
+    if config.dist.backend == "gloo" and name == "auto":
+        return "cpu_flash"
+    return planning_kernel(name)
 
 
 def _memory_kwargs(config: Config, plan, bf16: bool) -> dict:

@@ -106,6 +106,7 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
                                        torch.float32, init_method_std=config.model.init_method_std,
                                        recompute_granularity=recompute)
     stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
+                        attention_kernel=config.model.attention_kernel, kernel_device=groups.device,
                         **memory_switches(config, plan, use_bf16(config), pp_rank=groups.pg.pp.rank()))
     ddp = wrap_model(stage.model, tconfig, config)
     optimizer, scheduler = build_optimizer(ddp, tconfig, config)
