@@ -128,3 +128,22 @@ def storage_resizes(on_resize: Callable[[torch.Tensor], None]):
 
     with _replaced(pgb, "_alloc_storage", alloc_storage), _replaced(pgb, "_free_storage", free_storage):
         yield
+
+
+def steady_state(fsdp_model) -> None:
+    """Put a freshly built Megatron-FSDP model into the state its first backward leaves, so that a tracked first
+    step behaves as every later one. That backward marks every module PRE_BACKWARD and its post-backward hooks set
+    the FSDP units back to IDLE; the modules outside the units (embedding, final norm, LM head) stay PRE_BACKWARD
+    for the rest of the run, which turns off their forward prefetch. So only the run's first micro-batch prefetches
+    from there (at the final norm: every layer released after its forward is all-gathered again, up to
+    megatron-core's prefetch size, and stays into the backward); it runs without Adam's moments."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import TrainingState
+
+    inner = fsdp_model.module  # MegatronFSDP
+    units = tuple(inner.fsdp_unit_modules)
+    in_units = {id(m) for unit in inner.module.modules() if isinstance(unit, units) for m in unit.modules()}
+    for m in inner.module.modules():
+        if not hasattr(m, "_training_state"):
+            raise RuntimeError("Megatron-FSDP modules carry no _training_state: update megatron_upipe/compat/fsdp.py "
+                               "(tested with megatron-core 0.19.2)")
+        m._training_state = TrainingState.IDLE if id(m) in in_units else TrainingState.PRE_BACKWARD

@@ -4,7 +4,8 @@
 memory.shard_model_states) and optimizer of pipeline stage 0 exactly as `pretrain_llama.py` does (same builders),
 under `FakeTensorMode` and torch's fake process group of `world_size` ranks (compat/fsdp.py: what Megatron-FSDP
 needs there), then runs a steady-state training step inside a storage tracker: Adam's moments exist (as after the
-first update) and megatron-core's forward/backward schedule runs over every micro-batch. The update itself is not
+first update), Megatron-FSDP is in the state its first backward leaves (compat.fsdp.steady_state) and megatron-core's
+forward/backward schedule runs over every micro-batch. The update itself is not
 run (it reads the gradient norm with .item(), which fake tensors cannot answer); with a fused Adam
 (TransformerEngine/apex on GPU) it allocates no full-size temporaries. The model states made during the build are registered
 with the tracker as such; everything the step allocates is attributed by the Python stack at allocation time.
@@ -234,6 +235,8 @@ class _PlannerTracker(StorageTracker):
 def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool,
                  named_bytes: int = 0) -> StepMemory:
     """Build this rank's stage as the training job does and track one step (on real or fake tensors alike)."""
+    from megatron_upipe.compat.fsdp import steady_state
+    from megatron_upipe.memory_stack.sharding import is_fully_sharded
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.step import forward_backward
     from megatron_upipe.training.optim import build_optimizer, wrap_model
@@ -247,6 +250,8 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     with _fake_world() if planning else nullcontext():
         ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
         optimizer, _ = build_optimizer(ddp, tconfig, config, planning=planning)
+    if is_fully_sharded(ddp):
+        steady_state(ddp)  # as after the first backward: the run's first micro-batch alone prefetches more
     mem = _PlannerTracker(named_bytes)
     with tracked_step(mem, stage.model, ddp, optimizer) as state_bytes:
         moments = _materialise_adam(mem, optimizer)  # alive through every step after the first
