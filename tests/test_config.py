@@ -272,9 +272,9 @@ def test_machine_problems_are_apart_from_the_config(monkeypatch):
     assert problems(2, ["dist.backend=nccl"], local_ranks=2) == []
     (too_many,) = problems(2, ["dist.backend=auto"], local_ranks=8)
     assert too_many.startswith("8 ranks on this node (torchrun --nproc-per-node) but 2 GPU(s) visible")
-    (kernel,) = problems(0, ["model.attention_kernel=sdpa_flash"])
+    (kernel,) = problems(0, ["model.attention_kernel=sdpa_flash", "dist.backend=auto"])
     assert kernel.startswith("model.attention_kernel=sdpa_flash: kernel 'sdpa_flash' runs on cuda")
-    (fp32,) = problems(2, ["model.attention_kernel=sdpa_flash", "train.bf16=false"])
+    (fp32,) = problems(2, ["model.attention_kernel=sdpa_flash", "train.bf16=false", "dist.backend=auto"])
     assert "does not support dtype torch.float32" in fp32 and fp32.endswith("set model.attention_kernel=auto")
     te = problems(0, ["parallel.cp_strategy=p2p", "dist.backend=auto"])
     assert any("(TransformerEngine) needs CUDA GPUs" in p for p in te)

@@ -46,7 +46,10 @@ def flash_workspace_bytes(config: Config, world_size: int) -> int:
     b, N, d = plan.micro_batch_size, plan.seq_length, plan.arch.kv_channels
     dq_accum = b * N * m * d * 4
     stats = b * m * N * 4
-    native = config.model.attention_kernel == "cpu_flash" or planning_kernel(config.model.attention_kernel).native_gqa
+    name = config.model.attention_kernel
+    if name == "auto" and config.train.bf16 is False:
+        name = "sdpa_efficient"  # as the planner plans it (simulate._planned_kernel)
+    native = name == "cpu_flash" or planning_kernel(name).native_gqa
     expanded = 2 * b * N * m * d * 2 if m > w and native else 0
     return dq_accum + stats + expanded
 

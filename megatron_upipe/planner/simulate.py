@@ -343,6 +343,8 @@ def _planned_kernel(config: Config):
         return name
     if config.dist.backend == "gloo" and name == "auto":
         return "cpu_flash"
+    if name == "auto" and config.train.bf16 is False:  # float32 on a GPU: the first auto kernel taking it
+        return planning_kernel("sdpa_efficient")
     return planning_kernel(name)
 
 
