@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if env:
         print(f"{PROG}: no torchrun environment: running as a single process (world size 1)", file=sys.stderr)
-    for warning in plan.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # the same verdict on every rank: say it once
+        for warning in plan.warnings:
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
     return run_job(config, plan)
 
 
