@@ -128,3 +128,125 @@ def test_training_log_checks_the_plan_of_a_fully_sharded_run(tmp_path):
     [record] = read_metrics(metrics, kind="memory")
     assert record["step"] == 2 and record["measured_kind"] == "tracked"
     assert abs(record["rel_diff"]) < 0.01, record
+
+
+TAMED = ["memory.fsdp_communication_unit=layer", "memory.fsdp_embedding_unit=true"]
+MEGATRON = ["memory.fsdp_communication_unit=megatron", "memory.fsdp_embedding_unit=false"]
+
+
+def _losses_job(rank, world_size, tmp):
+    from megatron_upipe.memory_stack import sharding
+    from tests.train_harness import SMALL, run_main
+
+    wrapped = []
+    original = sharding.wrap_fully_sharded
+
+    def spy(*args, **kwargs):  # what reached Megatron-FSDP
+        w = original(*args, **kwargs)
+        wrapped.append((w.ddp_config.suggested_communication_unit_size, sharding.layer_elements(w),
+                        sorted(c.__name__ for c in w.module.fsdp_unit_modules)))
+        return w
+
+    sharding.wrap_fully_sharded = spy
+    common = [*SMALL, "train.steps=3", "model.num_layers=3"]  # float32 (tiny_cpu.yaml), cp2 UPipe, 4 micro-batches
+    runs = {"ddp": run_main(*common, f"log.metrics_file={tmp}/ddp.jsonl"),
+            "tamed": run_main(*common, *FSDP, *TAMED, f"log.metrics_file={tmp}/tamed.jsonl"),
+            "megatron": run_main(*common, *FSDP, *MEGATRON, f"log.metrics_file={tmp}/megatron.jsonl")}
+    return {k: v[0] for k, v in runs.items()}, {k: v[1][-3000:] for k, v in runs.items()}, wrapped
+
+
+def test_fsdp_settings_reach_megatron_fsdp_and_train_as_ddp(tmp_path):
+    from tests.train_harness import read_metrics
+
+    for codes, errs, wrapped in run_on_ranks(_losses_job, 2, str(tmp_path)):
+        assert codes == {"ddp": 0, "tamed": 0, "megatron": 0}, errs
+        (unit, layer, tamed_units), (default_unit, _, megatron_units) = wrapped
+        assert unit == layer - 1 and default_unit is None
+        assert tamed_units == ["LanguageModelEmbedding", "TransformerLayer"] and megatron_units == ["TransformerLayer"]
+    ddp = read_metrics(tmp_path / "ddp.jsonl")
+    assert len(ddp) == 3
+    for name in ("tamed", "megatron"):
+        for a, b in zip(ddp, read_metrics(tmp_path / f"{name}.jsonl"), strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), (name, a["step"], a["loss"], b["loss"])
+            # megatron-core's float32 norm of the 4096 x 64 embedding / LM head gradients is itself 1.3e-5 from the
+            # float64 norm (DDP and FSDP sum in other orders); the gradients themselves: the next test
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-5), (name, a["step"])
+
+
+def _gradients_job(rank, world_size, overrides):
+    """Per-parameter float64 squared norms of one step's reduced gradients (summed over the shards)."""
+    import torch.distributed as dist
+
+    from megatron_upipe.models.llama import build_llama, llama_transformer_config
+    from megatron_upipe.parallel import destroy_parallel, initialize_parallel
+    from megatron_upipe.planner.simulate import _layout, _memory_kwargs
+    from megatron_upipe.step import forward_backward
+    from megatron_upipe.training.optim import build_optimizer, wrap_model
+
+    vocab = 4096
+    config = load_config(None, ["model.preset=tiny", "model.num_layers=3", f"model.vocab_size={vocab}", "data.path=mock",
+                                "dist.backend=gloo", "train.micro_batch_size=1", "train.global_batch_size=4",
+                                "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=64",
+                                "train.bf16=false", *overrides])
+    plan = validate(config, world_size)
+    layout = _layout(config, plan)
+    pg = initialize_parallel(layout, seed=config.train.seed)
+    try:
+        tconfig = llama_transformer_config(plan.arch, layout, dtype=torch.float32, init_method_std=0.02)
+        stage = build_llama(plan.arch, layout, pg, vocab_size=vocab, config=tconfig,
+                            **_memory_kwargs(config, plan, False))
+        wrapped = wrap_model(stage.model, tconfig, config)
+        optimizer, _ = build_optimizer(wrapped, tconfig, config)
+        s, g = plan.seq_per_cp_rank, torch.Generator().manual_seed(1 + rank)
+        batches = [{"tokens": torch.randint(0, vocab, (1, s), generator=g), "position_ids": torch.arange(s)[None],
+                    "labels": torch.randint(0, vocab, (1, s), generator=g), "loss_mask": torch.ones(1, s)}
+                   for _ in range(plan.num_microbatches)]  # [1, s/C] each, this rank's CP part
+        forward_backward(wrapped, iter(batches), num_microbatches=plan.num_microbatches, seq_length=plan.seq_length,
+                         micro_batch_size=1, forward_only=False)
+        if not hasattr(wrapped, "param_and_grad_buffer"):
+            return {n: p.main_grad.double().pow(2).sum().item() for n, p in stage.model.named_parameters()}
+        out = {}
+        for name, p in wrapped.param_and_grad_buffer.optimizer_named_parameters:  # DTensor shards of the buffers
+            local = p.grad._local_tensor if p.grad is not None else torch.zeros(0)  # None: no elements here
+            sq = local.double().pow(2).sum().reshape(1)
+            dist.all_reduce(sq, group=pg.dp_cp)
+            out[name.removeprefix("module.")] = sq.item()
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_fsdp_settings_give_ddp_gradients():
+    """Same weights (the seeded CPU initialisation), same micro-batches: every parameter's reduced gradient has the
+    squared norm of DDP's, in float64 (float32 gradients summed in other orders)."""
+    ddp = run_on_ranks(_gradients_job, 2, [])[0]
+    for overrides in (TAMED, MEGATRON):
+        fsdp = run_on_ranks(_gradients_job, 2, [*FSDP, *overrides])[0]
+        assert set(fsdp) == set(ddp)
+        for name, sq in ddp.items():
+            assert fsdp[name] == pytest.approx(sq, rel=1e-6), (overrides, name)
+
+
+def _plan_both_settings(rank, world_size):
+    from megatron_upipe.planner.simulate import simulate_step
+
+    torch.distributed.destroy_process_group()
+    base = [*BASE, "model.num_layers=6", "parallel.cp=2", "parallel.cp_strategy=upipe", *FSDP]
+    return {name: simulate_step(load_config(None, base + ov), 2, VOCAB).breakdown
+            for name, ov in (("tamed", TAMED), ("megatron", MEGATRON))}
+
+
+def test_tamed_settings_bound_megatron_fsdp_buffers_in_the_plan():
+    """Six layers: with megatron-core's defaults the whole model is all-gathered at the peak (5e8 elements of
+    prefetch); with one layer's unit at most two layers' gradient buckets and two gathered layers besides the LM
+    head's group are alive there."""
+    plans = run_on_ranks(_plan_both_settings, 1)[0]
+    # bf16 weights, fp32 gradients of one tiny-gqa layer (unsharded, as Megatron-FSDP gathers it), and of the
+    # embedding / LM head (256 x 64 each)
+    layer = 64 * 96 + 64 * 64 + 64 * 320 + 160 * 64 + 2 * 64
+    head = 256 * 64
+    tamed, megatron = plans["tamed"], plans["megatron"]
+    assert tamed["fsdp: grad buckets"] <= 4 * (2 * layer + head) * 1.05, tamed
+    assert tamed["fsdp: gathered params"] <= 2 * (2 * layer + head + 64) * 1.05, tamed
+    assert megatron["fsdp: gathered params"] >= 2 * (6 * layer + 2 * head), megatron  # the whole model at once
+    assert sum(tamed.values()) < sum(megatron.values())  # the peaks

@@ -293,6 +293,15 @@ class MemoryConfig:
     # (Megatron-FSDP; layers all-gathered just in time). Implies the sharded optimizer (train.distributed_optimizer
     # need not be set). Checkpoints are then saved per rank ("fsdp_per_rank") and resume only in the same tp/pp/cp/dp.
     shard_model_states: bool = False
+    # Megatron-FSDP's unsharded buffers with shard_model_states. "layer": its communication unit just under one
+    # transformer layer, so one finished layer's fp32 gradient bucket waits for its reduce-scatter while the next
+    # fills, and one layer's weights are prefetched. "megatron": megatron-core's default, which queues finished
+    # buckets up to max(1e9 elements, 2 layers) and prefetches 5e8 elements (several 8B layers of each).
+    fsdp_communication_unit: Literal["layer", "megatron"] = "layer"
+    # The embedding as a Megatron-FSDP unit of its own (all-gathered for its forward and backward only). false:
+    # megatron-core's default, one group of embedding + LM head + final norm, gathered for the whole step, whose
+    # fp32 gradient bucket lives from the LM head's backward to the embedding's. Changes the checkpoint's buffers.
+    fsdp_embedding_unit: bool = True
     # Log the memory planner's predicted peak beside the measured one: rank 0 runs tools/estimate_memory.py on the
     # resolved config at start-up (seconds on CPU, about a minute for an 8B model) and the run measures its second
     # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).

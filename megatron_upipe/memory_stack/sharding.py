@@ -15,6 +15,17 @@ the parameter to already be moved to device cuda:0 but got cpu". Megatron-FSDP t
 gloo once gradient_reduce_div_fusion is off (its fused divide uses ReduceOp.PREMUL_SUM: "RuntimeError: Cannot use
 ReduceOp.PREMUL_SUM with Gloo"); it is also what megatron-core's optimizer and checkpointing know.
 
+Unsharded buffers (beyond the shards): a unit's compute weights are all-gathered into a bucket for its forward and
+again for its backward (with the next units prefetched), and its gradients go to an unsharded fp32 bucket that
+waits in a reduce-scatter queue. megatron-core's defaults keep finished buckets queued up to max(1e9 elements,
+2 layers) and prefetch at least 5e8 elements (Llama3-8B, 218M elements a layer: 4 queued gradient buckets, 3
+prefetched layers), and put the parameters outside the TransformerLayer units (embedding, LM head, final norm) in
+one group, gathered for the whole step, whose fp32 gradient bucket waits from the LM head's backward to the
+embedding's. `communication_unit="layer"` (just under one layer) and `embedding_unit=True` bound them: the planner's
+6M-token Llama3-8B recipe (cp8) holds 12.37 GiB of these buckets at its peak with megatron-core's defaults, 4.56 GiB
+with both (peak 74.96 -> 67.15 GiB before margins; each alone: 70.90 / 70.64). Losses and gradients are DDP's
+(tests/test_planner_fsdp.py).
+
 Shapes: buffers are flat; parameters become DTensors whose local part is this rank's slice of the flat buffer
 (uneven: a small tensor may live entirely on one rank). Pipeline parallelism is not combined with it here (untested).
 
@@ -43,8 +54,12 @@ from __future__ import annotations
 import torch
 
 
-def fsdp_ddp_config(*, use_gloo: bool | None = None):
-    """megatron-core DistributedDataParallelConfig for ZeRO-3 (fp32 main params and main grads)."""
+def fsdp_ddp_config(*, use_gloo: bool | None = None, communication_unit: int | None = None):
+    """megatron-core DistributedDataParallelConfig for ZeRO-3 (fp32 main params and main grads).
+
+    communication_unit: Megatron-FSDP's `suggested_communication_unit_size` in elements (None: megatron-core's
+    default, max(1e9, 2 x the mean unit)). Its reduce-scatter queue keeps finished gradient buckets until they exceed
+    this many elements, and each all-gather prefetches further units until at least half of it is added."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     if use_gloo is None:
@@ -59,17 +74,45 @@ def fsdp_ddp_config(*, use_gloo: bool | None = None):
         overlap_grad_reduce=True,  # reduce-scatter launched during backward; finalize_model_grads waits for it
         overlap_param_gather=True,  # next layers' all-gathers prefetched (both checked on gloo: losses unchanged)
         gradient_reduce_div_fusion=not use_gloo,  # PREMUL_SUM does not exist on gloo
+        suggested_communication_unit_size=communication_unit,
     )
 
 
-def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_config=None):
+def layer_elements(model: torch.nn.Module) -> int:
+    """Elements of this stage's largest transformer layer (this rank's tensor-parallel part)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return max((sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, TransformerLayer)),
+               default=0)
+
+
+def fsdp_units(embedding_unit: bool) -> list[type]:
+    """Megatron-FSDP's unit modules: megatron-core's default (the transformer layers), plus the embedding."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [TransformerLayer, *([LanguageModelEmbedding] if embedding_unit else [])]
+
+
+def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_config=None, *,
+                       communication_unit: str = "layer", embedding_unit: bool = True):
     """This stage (a GPTModel, or Float16Module around it for bf16) fully sharded over pg_collection.dp_cp
     (None: megatron-core's initialised parallel state, as DistributedDataParallel uses).
+
+    communication_unit="layer": Megatron-FSDP's communication unit just under one transformer layer, so that one
+    finished layer's gradient bucket waits for its reduce-scatter while the next fills, and one layer is
+    prefetched ("megatron": megatron-core's default, several layers of each). embedding_unit: the embedding is an
+    FSDP unit of its own (gathered for its forward and backward only); else it shares the group outside the units
+    with the LM head and the final norm, whose fp32 gradient bucket then waits for the embedding's gradient, at the
+    end of the backward (memory.fsdp_communication_unit / memory.fsdp_embedding_unit). A given ddp_config is used as
+    it is (communication_unit ignored).
 
     Call it where megatron-core's DistributedDataParallel would be built, before `get_megatron_optimizer(
     OptimizerConfig(..., use_distributed_optimizer=True), [wrapped])`."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
+    if communication_unit not in ("layer", "megatron"):
+        raise ValueError(f"communication_unit={communication_unit!r}: use 'layer' or 'megatron'")
     if pg_collection is None:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -77,9 +120,12 @@ def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_
     if pg_collection.pp.size() > 1:
         raise ValueError("fully sharded model states are not combined with pipeline parallelism here (untested): "
                          "use parallel.pp=1 or memory.shard_model_states=false")
-    ddp_config = ddp_config if ddp_config is not None else fsdp_ddp_config()
+    if ddp_config is None:
+        unit = max(layer_elements(model) - 1, 1) if communication_unit == "layer" else None
+        ddp_config = fsdp_ddp_config(communication_unit=unit)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    wrapped = FullyShardedDataParallel(tconfig, ddp_config, model, device=device, pg_collection=pg_collection)
+    wrapped = FullyShardedDataParallel(tconfig, ddp_config, model, fsdp_unit_modules=fsdp_units(embedding_unit),
+                                       device=device, pg_collection=pg_collection)
     zero_buffer_padding(wrapped)  # allocated with torch.empty: whatever the allocator left (see the module docstring)
     return wrapped
 

@@ -54,8 +54,13 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     """simulate_step of `config`, from simulations at base_depth and base_depth + 1 layers per stage when the
     model is deeper than base_depth + 2 (else the full simulation)."""
     depth = layers_per_stage(config, world_size)
+    m = config.memory
+    if m.shard_model_states:  # Megatron-FSDP gathers the computing layer and prefetches one (fsdp_communication_unit
+        base_depth = max(base_depth, 3)  # =layer): periodic from 3 layers
     a, b = base_depth, base_depth + 1
-    if depth <= b + 1:
+    # with megatron-core's communication unit (1e9 elements) it queues / prefetches a fixed number of elements:
+    # several layers of a large model but every layer of a shallow one, never periodic from a shallow depth
+    if depth <= b + 1 or (m.shard_model_states and m.fsdp_communication_unit == "megatron"):
         return simulate_step(config, world_size, vocab_size, named_bytes)
     shallow = simulate_step(with_depth(config, a), world_size, vocab_size, 0)
     deeper = simulate_step(with_depth(config, b), world_size, vocab_size, named_bytes)

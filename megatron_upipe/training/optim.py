@@ -45,7 +45,8 @@ def wrap_model(model, tconfig, config: Config, *, float16_module: bool = True):
     if config.memory.shard_model_states:  # ZeRO-3 over dp x cp (Megatron-FSDP), see megatron_upipe.memory_stack
         from megatron_upipe.memory_stack.sharding import wrap_fully_sharded
 
-        ddp = wrap_fully_sharded(module, tconfig)
+        ddp = wrap_fully_sharded(module, tconfig, communication_unit=config.memory.fsdp_communication_unit,
+                                 embedding_unit=config.memory.fsdp_embedding_unit)
     else:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
