@@ -1,12 +1,13 @@
 """The planner's predicted peak beside the measured one, in the training log.
 
 At start-up rank 0 runs the memory planner (tools/estimate_memory.py, a subprocess: it needs a process without a
-process group) on the resolved config and this world size. In the run's second step (Adam's moments then exist, as
-the planner assumes) the forward/backward schedule's peak is measured with the model states alive — on GPU
-`torch.cuda.max_memory_allocated`, on CPU a `PeakMemoryTracker` with the model states registered, which is what
-the planner's simulation tracks — and both are logged with their difference. The optimizer update itself is not
-part of either: with a fused Adam (TransformerEngine/apex on GPU) it allocates no full-size temporaries, while
-torch's CPU Adam makes per-parameter temporaries that the planner does not model.
+process group) on the resolved config and this world size. In the run's second step (Adam's moments then exist and
+Megatron-FSDP is past its first backward, as the planner assumes) the forward/backward schedule's peak is measured
+with the model states alive — on GPU `torch.cuda.max_memory_allocated`, on CPU the planner's storage tracker with
+the model states registered (Megatron-FSDP's shards and live buckets, and the in-place resizes of its buckets,
+included), which is what the planner's simulation tracks — and both are logged with their difference. The
+optimizer update itself is not part of either: with a fused Adam (TransformerEngine/apex on GPU) it allocates no
+full-size temporaries, while torch's CPU Adam makes per-parameter temporaries that the planner does not model.
 """
 
 from __future__ import annotations
