@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_helper import free_port, run_on_ranks
-from tests.train_harness import DATA, ROOT, SMALL, TINY, losses, read_metrics, run_main
+from tests.train_harness import DATA, ROOT, SMALL, TINY, losses, processes_with, read_metrics, run_main
 
 BASE = [*SMALL, "train.steps=6"]
 CP1_DP2 = ["parallel.cp=1", "parallel.cp_strategy=none"]
@@ -226,16 +226,6 @@ if __name__ == "__main__":
 """
 
 
-def _processes_with(token: str) -> list[int]:
-    """Pids of the live processes whose environment carries `token` (the ones a launch started)."""
-    pids = []
-    for env_file in Path("/proc").glob("[0-9]*/environ"):
-        with contextlib.suppress(OSError):
-            if token.encode() in env_file.read_bytes():
-                pids.append(int(env_file.parent.name))
-    return [p for p in pids if p != os.getpid()]
-
-
 def _launch(driver: Path, tmp: Path, env_extra: dict, log_name: str) -> tuple[int, str]:
     """torchrun with 2 ranks; returns (exit code, output). megatron-core's checkpoint writer starts a
     multiprocessing Manager in each writing rank, which outlives a SIGKILLed rank: such leftovers (found by a
@@ -252,7 +242,7 @@ def _launch(driver: Path, tmp: Path, env_extra: dict, log_name: str) -> tuple[in
             code = proc.wait(timeout=300)
         finally:
             proc.kill()
-            for pid in _processes_with(token):
+            for pid in processes_with(token):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     return code, log.read_text()

@@ -42,18 +42,22 @@ def _simulate_all(rank, world_size):
     return {case: simulate_step(_config(case), 2, VOCAB) for case in CASES}
 
 
-def _real(rank, world_size, case):
+def measure_real(config, world_size: int, vocab: int, *, bf16: bool):
+    """The tracked step of this rank on real tensors and the run's process groups: what the simulation must equal."""
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
     from megatron_upipe.planner.simulate import _layout, measure_step
 
-    config = _config(case)
     plan = validate(config, world_size)
     layout = _layout(config, plan)
     pg = initialize_parallel(layout, seed=config.train.seed)
     try:
-        return measure_step(config, plan, layout, pg, VOCAB, bf16=False, planning=False)
+        return measure_step(config, plan, layout, pg, vocab, bf16=bf16, planning=False)
     finally:
         destroy_parallel()
+
+
+def _real(rank, world_size, case):
+    return measure_real(_config(case), world_size, VOCAB, bf16=False)
 
 
 @pytest.fixture(scope="module")

@@ -48,17 +48,9 @@ def _simulate_all(rank, world_size):
 
 
 def _real(rank, world_size, case):
-    from megatron_upipe.parallel import destroy_parallel, initialize_parallel
-    from megatron_upipe.planner.simulate import _layout, measure_step
+    from tests.test_planner import measure_real
 
-    config = _config(case)
-    plan = validate(config, world_size)
-    layout = _layout(config, plan)
-    pg = initialize_parallel(layout, seed=config.train.seed)
-    try:
-        return measure_step(config, plan, layout, pg, VOCAB, bf16=True, planning=False)
-    finally:
-        destroy_parallel()
+    return measure_real(_config(case), world_size, VOCAB, bf16=True)
 
 
 @pytest.fixture(scope="module")

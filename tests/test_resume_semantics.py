@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_helper import free_port, run_on_ranks
-from tests.train_harness import DATA, ROOT, SMALL, TINY, losses, read_metrics, run_main
+from tests.train_harness import DATA, ROOT, SMALL, TINY, losses, processes_with, read_metrics, run_main
 
 SPLIT = "data.split=[0.3, 99.6, 0.1]"  # 15 training samples of 64 tokens
 BASE = [*SMALL, SPLIT]
@@ -273,15 +273,6 @@ def test_processes_started_during_a_save_do_not_see_stop_signals():
 
 # -- torchrun launches ------------------------------------------------------------------------------------------
 
-def _processes_with(token: str) -> list[int]:
-    pids = []
-    for env_file in Path("/proc").glob("[0-9]*/environ"):
-        with contextlib.suppress(OSError):
-            if token.encode() in env_file.read_bytes():
-                pids.append(int(env_file.parent.name))
-    return [p for p in pids if p != os.getpid()]
-
-
 def _launch(tmp: Path, overrides: list[str], torchrun_args: list[str] = (), signal_at: int | None = None,
             send=None) -> tuple[int, str]:
     """torchrun, 2 ranks, pretrain_llama.py; with `signal_at`, `send(proc, token)` is called once the metrics file
@@ -310,7 +301,7 @@ def _launch(tmp: Path, overrides: list[str], torchrun_args: list[str] = (), sign
             code = proc.wait(timeout=300)
         finally:
             proc.kill()
-            for pid in _processes_with(token):
+            for pid in processes_with(token):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     return code, log.read_text()
@@ -355,7 +346,7 @@ def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_exits_5(tmp_path):
     assert "#SBATCH --signal=USR1@" in recipe and "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in recipe
 
     def everyone(proc, token):
-        for pid in [proc.pid, *_processes_with(token)]:
+        for pid in [proc.pid, *processes_with(token)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
 

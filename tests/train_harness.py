@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,3 +37,13 @@ def read_metrics(path: str | Path, kind: str = "train") -> list[dict]:
 
 def losses(path: str | Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(path)}
+
+
+def processes_with(token: str) -> list[int]:
+    """Pids of the live processes whose environment carries `token` (the ones a launch started)."""
+    pids = []
+    for env_file in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if token.encode() in env_file.read_bytes():
+                pids.append(int(env_file.parent.name))
+    return [p for p in pids if p != os.getpid()]
