@@ -23,7 +23,7 @@ from megatron_upipe.config import Config, load_config, validate
 from megatron_upipe.memory_stack.host_budget import PLANNER_HOST_GIB, PLANNER_RANKS_PER_NODE, HostPlan, plan_host_memory
 from megatron_upipe.planner.devices import GIB, Margins
 from megatron_upipe.planner.depth import simulate_deep
-from megatron_upipe.planner.simulate import StepMemory
+from megatron_upipe.planner.simulate import StepMemory, planned_kernel_name
 
 CONTEXT_STEP = 128 * 1024  # --max-context searches multiples of 128K tokens
 
@@ -46,9 +46,7 @@ def flash_workspace_bytes(config: Config, world_size: int) -> int:
     b, N, d = plan.micro_batch_size, plan.seq_length, plan.arch.kv_channels
     dq_accum = b * N * m * d * 4
     stats = b * m * N * 4
-    name = config.model.attention_kernel
-    if name == "auto" and config.train.bf16 is False:
-        name = "sdpa_efficient"  # as the planner plans it (simulate._planned_kernel)
+    name = planned_kernel_name(config)
     native = name == "cpu_flash" or planning_kernel(name).native_gqa
     expanded = 2 * b * N * m * d * 2 if m > w and native else 0
     return dq_accum + stats + expanded
@@ -111,7 +109,7 @@ def strategy_config(source: ConfigSource, strategy: str, seq_length: int) -> Con
 def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, seq_length: int,
              gpu_mem_bytes: int, margins: Margins = Margins(), named_bytes: int = 0) -> Estimate:
     cfg = strategy_config(source, strategy, seq_length)
-    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes)  # 2 + 3 layers, extrapolated
+    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes)  # shallow simulations, extrapolated by depth
     workspace = flash_workspace_bytes(cfg, world_size)
     breakdown = dict(step.breakdown)
     at_attention = step.attention_peak_bytes + workspace

@@ -332,20 +332,28 @@ def _fake_world():
         yield
 
 
-def _planned_kernel(config: Config):
-    """The kernel the run will call: on GPUs (dist.backend=nccl) a CPU stand-in of the GPU kernel allocating what
-    it allocates ("auto": kernels.PLAN_AUTO_AS); on CPU (gloo) the CPU kernel itself. UPipe/Ulysses only: other
-    strategies use megatron-core's attention."""
-    from megatron_upipe.attention.kernels import planning_kernel
+def planned_kernel_name(config: Config) -> str:
+    """The attention kernel the run will call: on GPUs (dist.backend=nccl/auto) "auto" is kernels.PLAN_AUTO_AS, or
+    sdpa_efficient for float32 (the first automatic kernel taking it); on CPU (gloo) cpu_flash."""
+    from megatron_upipe.attention.kernels import PLAN_AUTO_AS
 
     name = config.model.attention_kernel
-    if config.parallel.cp_strategy not in ("ulysses", "upipe") or name == "cpu_flash":
+    if name != "auto":
         return name
-    if config.dist.backend == "gloo" and name == "auto":
+    if config.dist.backend == "gloo":
         return "cpu_flash"
-    if name == "auto" and config.train.bf16 is False:  # float32 on a GPU: the first auto kernel taking it
-        return planning_kernel("sdpa_efficient")
-    return planning_kernel(name)
+    return "sdpa_efficient" if config.train.bf16 is False else PLAN_AUTO_AS
+
+
+def _planned_kernel(config: Config):
+    """planned_kernel_name as the op's kernel: a CPU stand-in of a GPU kernel allocating what it allocates, or the
+    CPU kernel itself. UPipe/Ulysses only: other strategies use megatron-core's attention."""
+    from megatron_upipe.attention.kernels import planning_kernel
+
+    if config.parallel.cp_strategy not in ("ulysses", "upipe"):
+        return config.model.attention_kernel
+    name = planned_kernel_name(config)
+    return name if name == "cpu_flash" else planning_kernel(name)
 
 
 def _memory_kwargs(config: Config, plan, bf16: bool) -> dict:
