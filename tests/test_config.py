@@ -170,6 +170,7 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
     (["memory.offload_checkpoints=true"], 2, "memory.offload_checkpoints=true offloads the layer inputs that full"),
     (["memory.shard_model_states=true", "parallel.cp=1", "parallel.pp=2", "train.global_batch_size=2"], 2,
      "memory.shard_model_states=true is not combined with parallel.pp=2"),
+    (["model.tie_embeddings=true", "memory.shard_model_states=true"], 2, "set memory.fsdp_embedding_unit=false"),
 ]
 
 

@@ -58,8 +58,10 @@ def test_headwise_cp_refusals():
     from megatron_upipe.models.spec import build_cp_plan
 
     config, layout = _config(cp=2, cp_strategy="upipe")
-    with pytest.raises(ValueError, match="add_qkv_bias=False"):
-        build_cp_plan(dataclasses.replace(config, add_qkv_bias=True), layout)
+    with pytest.raises(ValueError, match="add_bias_linear=False"):
+        build_cp_plan(dataclasses.replace(config, add_bias_linear=True), layout)
+    with pytest.raises(ValueError, match="L2 QK norms"):
+        build_cp_plan(dataclasses.replace(config, qk_l2_norm=True), layout)
     config, layout = _config(tp=4, cp=2, cp_strategy="ulysses")  # 2 query groups over 4 TP ranks
     with pytest.raises(ValueError, match="num_query_groups=2 is not a multiple of tp=4"):
         build_cp_plan(config, layout)
@@ -88,8 +90,9 @@ def test_padded_vocab_is_tp_invariant():
     assert padded_vocab_size(100, 3) == 384
 
 
-@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "qwen3-32b"])
-def test_paper_presets_translate_to_megatron_config(preset):
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "qwen3-32b-paper", "llama3.1-8b", "llama3.1-70b",
+                                    "qwen3-8b", "qwen3-32b"])
+def test_presets_translate_to_megatron_config(preset):
     from megatron_upipe.models.presets import get_preset
     from megatron_upipe.models.spec import build_cp_plan
 
@@ -102,6 +105,7 @@ def test_paper_presets_translate_to_megatron_config(preset):
         arch.num_attention_heads, arch.num_query_groups, arch.kv_channels)
     assert config.gated_linear_unit and config.normalization == "RMSNorm" and not config.add_bias_linear
     assert config.layernorm_epsilon == arch.norm_epsilon and config.bf16
+    assert (config.add_qkv_bias, config.qk_layernorm) == (arch.qkv_bias, arch.qk_norm)
     plan = build_cp_plan(config, layout, pp_rank=1)
     assert len(plan.block_spec.layer_specs) == arch.num_layers // 2
     assert plan.sequence_split == "contiguous" and plan.rope_rank_rows

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_type_hints
 
-from megatron_upipe.models.presets import PRESETS, LlamaArch, get_preset
+from megatron_upipe.models.presets import PRESETS, LlamaArch, RopeScaling, get_preset
 
 from .fieldtypes import ConfigError, coerce, matches, type_name
 
@@ -67,9 +67,22 @@ class ModelConfig:
     num_query_groups: int | None = None  # KV heads
     ffn_hidden_size: int | None = None  # SwiGLU MLP inner size
     kv_channels: int | None = None  # head dim
-    rotary_base: float | None = None  # RoPE theta
+    rotary_base: float | None = None  # RoPE theta (e.g. raised for a long-context extension)
     norm_epsilon: float | None = None  # RMSNorm epsilon
     max_position_embeddings: int | None = None  # megatron-core's max_sequence_length of the model
+    qkv_bias: bool | None = None  # biases on the q, k, v projections (Qwen2/2.5); null = the preset's
+    qk_norm: bool | None = None  # RMSNorm of every q and k head before RoPE (Qwen3); null = the preset's
+    tie_embeddings: bool | None = None  # LM head = input embedding (Llama 3.2 1B/3B); null = the preset's
+    # RoPE scaling: preset (the preset's, with the rope_* fields below changing it), none, or linear | llama3 |
+    # yarn built from the rope_* fields (models/rope_scaling.py). dynamic (NTK, inference-only) is refused.
+    rope_scaling: Literal["preset", "none", "linear", "llama3", "yarn", "dynamic"] = "preset"
+    rope_scaling_factor: float | None = None  # context extension factor of the scaling
+    rope_original_max_position_embeddings: int | None = None  # llama3/yarn: the pretraining context length
+    rope_low_freq_factor: float | None = None  # llama3 (default 1)
+    rope_high_freq_factor: float | None = None  # llama3 (default 4)
+    rope_beta_fast: float | None = None  # yarn (default 32)
+    rope_beta_slow: float | None = None  # yarn (default 1)
+    rope_attention_factor: float | None = None  # yarn's cos/sin factor; null = 0.1·ln(factor) + 1
     vocab_size: int | None = None  # null = the tokenizer's (else the preset's)
     make_vocab_size_divisible_by: int = 128  # the embedding is padded to a multiple of this x tp
     init_method_std: float = 0.02  # std of the normal weight initialisation
@@ -79,23 +92,64 @@ class ModelConfig:
 
     OVERRIDES: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-        "kv_channels", "rotary_base", "norm_epsilon", "max_position_embeddings",
+        "kv_channels", "rotary_base", "norm_epsilon", "max_position_embeddings", "qkv_bias", "qk_norm",
+        "tie_embeddings",
     )
+    # model.rope_<x> -> RopeScaling field <x>
+    ROPE_FIELDS: ClassVar[dict[str, str]] = {
+        "rope_scaling_factor": "factor", "rope_original_max_position_embeddings": "original_max_position_embeddings",
+        "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor": "high_freq_factor",
+        "rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow", "rope_attention_factor": "attention_factor",
+    }
 
     def __post_init__(self) -> None:
         _check_types(self)
         _refuse([
             (self.preset not in PRESETS, f"model.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}"),
-            *_positive(self, *self.OVERRIDES, "vocab_size", "make_vocab_size_divisible_by", "init_method_std"),
+            *_positive(self, *self.OVERRIDES, *self.ROPE_FIELDS, "vocab_size", "make_vocab_size_divisible_by",
+                       "init_method_std"),
         ])
         self.arch()  # the overridden shape must be a consistent Llama block
+
+    def _rope_scaling(self, preset: RopeScaling | None) -> RopeScaling | None:
+        given = {f: getattr(self, k) for k, f in self.ROPE_FIELDS.items() if getattr(self, k) is not None}
+        if self.rope_scaling == "dynamic":
+            raise ConfigError("model.rope_scaling=dynamic: dynamic NTK scaling changes RoPE with the length at "
+                              "inference time and is not trained; for long-context training use llama3, yarn or "
+                              "linear (or raise model.rotary_base)")
+        if self.rope_scaling == "none":
+            if given:
+                names = ", ".join("model." + k for k in self.ROPE_FIELDS if getattr(self, k) is not None)
+                raise ConfigError(f"model.rope_scaling=none but {names} set: remove them or choose a scaling")
+            return None
+        if self.rope_scaling == "preset":
+            if preset is None:
+                if given:
+                    raise ConfigError(f"model.preset={self.preset!r} has no RoPE scaling to change: set "
+                                      f"model.rope_scaling to linear, llama3 or yarn")
+                return None
+            return dataclasses.replace(preset, **given)
+        base = preset if preset is not None and preset.kind == self.rope_scaling else None
+        if base is not None:
+            return dataclasses.replace(base, **given)
+        if "factor" not in given:
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling} needs model.rope_scaling_factor")
+        factor = given.pop("factor")
+        try:
+            return RopeScaling(self.rope_scaling, factor, **given)
+        except ValueError as e:
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling}: {e} (the model.rope_* fields)") from None
 
     def arch(self) -> LlamaArch:
         """The preset with this section's overrides applied (vocab_size stays the preset's; see Plan.vocab)."""
         changes = {k: getattr(self, k) for k in self.OVERRIDES if getattr(self, k) is not None}
         try:
-            return get_preset(self.preset).replace(**changes)
-        except ValueError as e:
+            preset = get_preset(self.preset)
+            changes["rope_scaling"] = self._rope_scaling(preset.rope_scaling)
+            return preset.replace(**changes)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(f"model (preset {self.preset!r} with overrides {changes}): {e}") from None
 
 

@@ -4,8 +4,9 @@
 any allocation or communication, and a login node can judge a GPU recipe. It reports every problem at once, each
 naming the setting(s) and the fix. It never changes the Config: derived values go into the Plan.
 `check_paths(config)` separately checks the files the config reads: they exist, data.tokenizer loads as a
-tokenizer, and model.vocab_size holds its vocabulary (run at start-up and by --dry-run). What this machine must
-have (CUDA, optional packages) is machine.py's `machine_problems`.
+tokenizer, model.vocab_size holds its vocabulary, and a converted/HF checkpoint.load fits model.* and the vocabulary
+(run at start-up and by --dry-run). What this machine must have (CUDA, optional packages) is machine.py's
+`machine_problems`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Plan:
         lines = [
             f"world {self.world_size} = dp {self.dp} x (tp·pp·cp {self.world_size // self.dp})",
             f"model: L{a.num_layers} D{a.hidden_size} H{a.num_attention_heads}/kv{a.num_query_groups} d{a.kv_channels}"
-            f" ffn{a.ffn_hidden_size}, vocab {self.vocab_size or 'from tokenizer'}",
+            f" ffn{a.ffn_hidden_size}, vocab {self.vocab_size or 'from tokenizer'}" + _features(a),
             f"heads per TP rank: {self.local_heads} q / {self.local_kv_heads} kv",
             f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x dp {self.dp}"
             f" x {self.num_microbatches} accumulation step(s)",
@@ -64,6 +65,18 @@ class Plan:
             lines.append(f"upipe: {self.heads_per_stage} heads per stage (over the cp ranks), "
                          f"{self.upipe_stages} stages")
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
+
+
+def _features(a: LlamaArch) -> str:
+    """', qkv bias, qk-norm, tied embeddings, RoPE θ 500000 llama3 x8 (8192)' (the family features present)."""
+    words = [w for on, w in ((a.qkv_bias, "qkv bias"), (a.qk_norm, "qk-norm"), (a.tie_embeddings, "tied embeddings"))
+             if on]
+    rope = f"RoPE θ {a.rotary_base:g}"
+    if a.rope_scaling is not None:
+        sc = a.rope_scaling
+        rope += f" {sc.kind} x{sc.factor:g}" + (f" of {sc.original_max_position_embeddings}"
+                                               if sc.original_max_position_embeddings else "")
+    return ", " + ", ".join(words + [rope])
 
 
 def resolve_heads_per_stage(num_heads: int, num_kv_heads: int, cp: int, requested: int | None) -> int:
@@ -183,6 +196,11 @@ def validate(config: Config, world_size: int) -> Plan:
 
     # fully sharded model states (memory_stack.sharding)
     if config.memory.shard_model_states:
+        if arch.tie_embeddings and config.memory.fsdp_embedding_unit:
+            errors.append("tied embeddings (model.tie_embeddings or the preset) with memory.fsdp_embedding_unit=true: the embedding's own "
+                          "Megatron-FSDP unit is released after its forward, but the tied LM head needs its weight "
+                          "again at the end: set memory.fsdp_embedding_unit=false (one group of embedding, LM head "
+                          "and final norm, gathered for the whole step)")
         if p.pp > 1:
             errors.append(f"memory.shard_model_states=true is not combined with parallel.pp={p.pp} (untested): set "
                           f"parallel.pp=1 or memory.shard_model_states=false")
@@ -234,11 +252,24 @@ def check_paths(config: Config) -> None:
     if c.load is not None and not Path(c.load).exists():
         problems.append(f"checkpoint.load={c.load} does not exist: give a checkpoint directory (or a directory with a "
                         f"`latest` file), or set checkpoint.load=null")
+    if c.load is not None and Path(c.load).exists():  # a converted/HF checkpoint.load must fit model.* and the vocab
+        from megatron_upipe.checkpoint.sources import initial_weights_problems
+
+        problems += initial_weights_problems(config, _tokenizer_vocab(d.tokenizer))
     if c.resume is True and c.dir is not None and not Path(c.dir).is_dir():
         problems.append(f"checkpoint.resume=true but checkpoint.dir={c.dir} does not exist: point checkpoint.dir at "
                         f"an existing run, or set checkpoint.resume=auto to start fresh")
     if problems:
         raise_all(problems, "the files this configuration reads:")
+
+
+def _tokenizer_vocab(spec: str | None) -> int | None:
+    from megatron_upipe.data.tokenizers import build_tokenizer
+
+    try:
+        return None if spec is None else build_tokenizer(spec).vocab_size
+    except (OSError, ValueError):  # reported by _tokenizer_problems
+        return None
 
 
 def _tokenizer_problems(spec: str, vocab_size: int | None) -> list[str]:

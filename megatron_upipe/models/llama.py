@@ -1,4 +1,5 @@
-"""Build a Llama model (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings) on megatron-core's GPTModel.
+"""Build a Llama-family model (RMSNorm, SwiGLU, RoPE, GQA; QKV biases, QK-norm, tied embeddings and RoPE scaling
+where the arch has them) on megatron-core's GPTModel.
 
 `llama_transformer_config(arch, layout, ...)` is the one translation of our model shape and parallel layout
 into megatron-core's `TransformerConfig`; `build_llama(...)` builds this pipeline stage's `GPTModel` from it with
@@ -26,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_upipe.models.chunked_loss import ChunkedLossGPTModel
 from megatron_upipe.models.presets import LlamaArch
+from megatron_upipe.models.rope_scaling import apply_rope_scaling
 from megatron_upipe.models.spec import CPPlan, build_cp_plan
 from megatron_upipe.models.tiled_mlp import with_tiled_mlp_block
 from megatron_upipe.parallel import ParallelLayout
@@ -42,8 +44,11 @@ def llama_transformer_config(
     arch: LlamaArch, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32, init_method_std: float = 0.02,
     recompute_granularity: str | None = None,
 ) -> TransformerConfig:
-    """LlamaArch + ParallelLayout -> megatron-core TransformerConfig (no dropout, no biases, fused ops off on CPU)."""
+    """LlamaArch + ParallelLayout -> megatron-core TransformerConfig (no dropout, fused ops off on CPU; biases only on
+    q, k, v with arch.qkv_bias; RMSNorm of q and k heads with arch.qk_norm; yarn's attention factor in the softmax
+    scale, see models/rope_scaling.py)."""
     on_gpu = torch.cuda.is_available()
+    logit_scale = arch.rope_scaling.logit_scale if arch.rope_scaling is not None else 1.0
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -56,7 +61,9 @@ def llama_transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        softmax_scale=None if logit_scale == 1.0 else logit_scale / math.sqrt(arch.kv_channels),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=init_method_std,
@@ -147,13 +154,14 @@ def build_llama(
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=arch.rotary_base,
         pg_collection=pg_collection,
         **extra,
     )
+    apply_rope_scaling(model.rotary_pos_emb, arch.rotary_base, arch.kv_channels, arch.rope_scaling)
     if plan.rope_rank_rows:
         # The headwise CP ops rotate this rank's contiguous positions only: make just those angles ([s/C] rows, not
         # the [N] rows nor megatron's zigzag slice of them).

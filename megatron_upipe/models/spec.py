@@ -51,9 +51,12 @@ def te_available() -> bool:
 
 
 def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:  # RMSNorm over the head dim of q and k (megatron-core sums its grads over TP)
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     return spec
 
 

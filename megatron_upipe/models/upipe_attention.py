@@ -14,6 +14,10 @@ would, all-reduce or reduce-scatter under sequence parallelism), so the backward
 spec (`megatron_upipe.models.spec`), which binds it into the `cp_attention` parameter together with its gradient
 accumulation and local kernel (`model.attention_kernel`); this layer passes only tensors and the CP group.
 
+QKV biases (`linear_qkv.bias`, Qwen2) and QK-norm (`q_layernorm` / `k_layernorm`, our RMSNorm over the head dim,
+Qwen3) are passed to the op too, grouped like the weight, and applied there stage by stage; their modules' own
+forwards are never called, so parameters and checkpoints keep megatron-core's names.
+
 Input norm: `fuse_input_norm(layer.input_layernorm)` (done by the model builder when tp = 1 or under sequence
 parallelism) defers the layer's RMSNorm to the op, which regenerates RMSNorm(x) tile by tile and never holds it
 whole (one [s/C, b, D] tensor less through the attention backward). With tp > 1 and no sequence parallelism the
@@ -56,15 +60,17 @@ class AttentionInsideCPOp(MegatronModule):
 
 def check_supported(config: TransformerConfig, tp_size: int) -> None:
     """Clear errors for configurations the headwise CP attention does not implement."""
-    if config.add_qkv_bias or config.add_bias_linear:
-        raise ValueError("UPipe/Ulysses attention has no QKV bias: set add_qkv_bias=False and add_bias_linear=False")
+    if config.add_bias_linear:
+        raise ValueError("UPipe/Ulysses attention has no output-projection bias: set add_bias_linear=False "
+                         "(QKV biases, add_qkv_bias, are supported)")
     if config.num_query_groups % tp_size:
         raise ValueError(
             f"num_query_groups={config.num_query_groups} is not a multiple of tp={tp_size}: UPipe/Ulysses need "
             f"whole query groups on each tensor-parallel rank; lower tp or use a model with more KV heads"
         )
-    if config.qk_layernorm or config.qk_l2_norm or config.attention_output_gate:
-        raise ValueError("UPipe/Ulysses attention supports neither QK norms nor an attention output gate")
+    if config.qk_l2_norm or config.attention_output_gate:
+        raise ValueError("UPipe/Ulysses attention supports neither L2 QK norms nor an attention output gate "
+                         "(RMSNorm QK-norm, qk_layernorm, is supported)")
 
 
 class HeadwiseCPSelfAttention(SelfAttention):
@@ -138,6 +144,15 @@ class HeadwiseCPSelfAttention(SelfAttention):
         g = self.num_attention_heads_per_partition // G
         d = self.hidden_size_per_attention_head
         w = self.linear_qkv.weight.view(G, g + 2, d, x.shape[-1])  # [G·(g+2)·d, D] -> [G, g+2, d, D]
+        extras = {}
+        if self.linear_qkv.bias is not None:  # QKV biases, rows interleaved per group like the weight's
+            bias = self.linear_qkv.bias.view(G, g + 2, d)  # [G·(g+2)·d] -> [G, g+2, d]
+            extras.update(b_q=bias[:, :g], b_k=bias[:, g], b_v=bias[:, g + 1])  # [G, g, d], [G, d], [G, d]
+        if self.config.qk_layernorm:  # RMSNorm of every q and k head, inside the op before RoPE
+            extras.update(q_norm_w=self.q_layernorm.weight, k_norm_w=self.k_layernorm.weight,
+                          qk_norm_eps=self.q_layernorm.eps)
+        if self._input_norm:
+            extras.update(norm_w=self._input_norm[0].weight, norm_eps=self._input_norm[0].eps)
         partial = self.cp_attention(
             x, w[:, :g], w[:, g], w[:, g + 1],  # w_q [G, g, d, D], w_k [G, d, D], w_v [G, d, D]
             cp_group=self.pg_collection.cp,
@@ -145,7 +160,7 @@ class HeadwiseCPSelfAttention(SelfAttention):
             causal=True,
             softmax_scale=self.config.softmax_scale,
             w_o=self.linear_proj.weight,  # [D, G·g·d]: heads group-major, linear_proj's column order
-            **({"norm_w": self._input_norm[0].weight, "norm_eps": self._input_norm[0].eps} if self._input_norm else {}),
+            **extras,
         )  # [s/C, b, D], partial sums over this TP rank's heads
         if self.config.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, group=tp_group)  # [s/(C·t), b, D]
