@@ -9,8 +9,9 @@ Checked for every CUDA kernel that runs under fake tensors here (sdpa_flash, sdp
 >= 2.7 too where installed, through its registered fake; TransformerEngine has no fake implementation and is
 checked on a GPU by tools/gpu_check.sh), at H 32, H_kv 8, d 128, D 4096, N = 1M tokens over C = 8:
 1. every output and gradient of the op (grouped weight views of one fused QKV weight, with W_O and the fused
-   input norm, both grad_accum modes; the natural-weight API without them): shape, dtype, device, contiguity;
-   UPipe at U = 8 and 16 and Ulysses;
+   input norm, both grad_accum modes; the same plus QKV bias (grouped views of one fused QKV bias, Qwen2.5) and
+   QK-norm (Qwen3; these are also Qwen3-8B's shapes); the natural-weight API without them): shape, dtype, device,
+   contiguity; UPipe at U = 8 and 16 and Ulysses;
 2. each kernel call at the stage's real views: out like q, lse float32 in the kernel's own shape (flash [b, h, N],
    efficient [b, h, N padded to 32], cuDNN [b, h, N, 1]), dq like q, dK/dV with the KV heads (not expanded);
 3. the planner's stand-in for the kernel (`planning_kernel`, run on fake CPU tensors as the planner runs the op)
@@ -55,6 +56,16 @@ def _fake_kernels() -> tuple[list[str], dict[str, str]]:
     return names, skipped
 
 
+def _qk_extras(device):
+    """Grouped views of one fused QKV bias [G·(g+2)·d] (b_q [G, g, d], b_k, b_v [G, d]) and QK-norm weights [d]."""
+    g = H // G
+    mk = dict(device=device, dtype=torch.bfloat16)
+    bias = torch.empty(G * (g + 2) * d, **mk).requires_grad_()
+    bv = bias.view(G, g + 2, d)  # [G·(g+2)·d] -> [G, g+2, d]
+    return dict(b_q=bv[:, :g], b_k=bv[:, g], b_v=bv[:, g + 1], q_norm_w=torch.empty(d, **mk).requires_grad_(),
+                k_norm_w=torch.empty(d, **mk).requires_grad_())
+
+
 def _inputs(device, s, b=1, fused=True):
     """x [s, b, D]; grouped views of one fused weight [G·(g+2)·d, D] (as the model passes them); w_o; norm_w."""
     g = H // G
@@ -71,18 +82,21 @@ def _inputs(device, s, b=1, fused=True):
                torch.empty(G * d, D, **mk).requires_grad_()), None, None, rope
 
 
-def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False):
-    """Run the op forward and its backward function; (problems, tracked peak or None)."""
+def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False, qk_extras=False):
+    """Run the op forward and its backward function; (problems, tracked peak or None). qk_extras (with fused):
+    QKV bias and QK-norm as well."""
     from megatron_upipe.attention import api
     from megatron_upipe.memory.tracker import PeakMemoryTracker
 
     s = N // C
     x, (wq, wk, wv), w_o, norm_w, rope = _inputs(device, s, fused=fused)
+    extras = _qk_extras(device) if qk_extras else {}
     problems = []
 
     def run():
         if fused:
-            kw = dict(cp_group=group, rotary_pos_emb=rope, kernel=kernel, grad_accum=grad_accum, w_o=w_o, norm_w=norm_w)
+            kw = dict(cp_group=group, rotary_pos_emb=rope, kernel=kernel, grad_accum=grad_accum, w_o=w_o, norm_w=norm_w,
+                      **extras)
             out = (api.ulysses_attention_grouped(x, wq, wk, wv, **kw) if strategy == "ulysses" else
                    api.upipe_attention_grouped(x, wq, wk, wv, heads_per_stage=U, **kw))
         else:
@@ -106,6 +120,7 @@ def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=Fal
     # the returned gradients, in the order of the op's inputs: x, (norm_w), w_q, w_k, w_v, (w_o)
     wanted = [("x", x)] + ([("norm_w", norm_w)] if fused else []) + [("w_q", wq), ("w_k", wk), ("w_v", wv)]
     wanted += [("w_o", w_o)] if fused else []
+    wanted += list(extras.items())
     by_shape: dict[tuple, list] = {}
     for g in grads:
         by_shape.setdefault(tuple(g.shape), []).append(g)
@@ -218,6 +233,8 @@ def _all_contracts(rank, world_size):
                     op_cases.append(((name, strategy, U, grad_accum, "grouped+w_o+norm"), problems))
                 problems, _ = _op_outputs(name, strategy, U, "fp32", False, "cuda", dist.group.WORLD)
                 op_cases.append(((name, strategy, U, "fp32", "natural"), problems))
+                problems, _ = _op_outputs(name, strategy, U, "fp32", True, "cuda", dist.group.WORLD, qk_extras=True)
+                op_cases.append(((name, strategy, U, "fp32", "grouped+w_o+norm+qkv_bias+qk_norm"), problems))
             kernel_problems[name] = _kernel_contract(name, "cpu")
             for strategy, U in (("upipe", 16), ("ulysses", None)):
                 _, gpu_peak = _op_outputs(name, strategy, U, "fp32", True, "cuda", dist.group.WORLD, track=True)
@@ -236,7 +253,8 @@ def contracts():
 
 def test_every_aten_cuda_kernel_ran_under_fake_cuda(contracts):
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(contracts["names"]), contracts["skipped"]
-    assert len(contracts["op_cases"]) == 3 * 3 * len(contracts["names"])  # 3 strategies x (2 grad_accum + natural)
+    # 3 strategies x (2 grad_accum + natural + with QKV bias and QK-norm)
+    assert len(contracts["op_cases"]) == 3 * 4 * len(contracts["names"])
 
 
 def test_outputs_and_gradients_of_the_op_keep_their_contract(contracts):

@@ -57,9 +57,34 @@ def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
             raise ValueError(f"rotary_pos_emb has rot_dim={rot}; it must be even and at most the head dim {d}")
 
 
+def _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps) -> None:
+    """Projection biases (all three or none) and QK-norm weights (both or none) in the grouped layout."""
+    G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
+    biases = {"b_q": b_q, "b_k": b_k, "b_v": b_v}
+    given = [n for n, t in biases.items() if t is not None]
+    if given and len(given) != 3:
+        raise ValueError(f"b_q, b_k and b_v must be given together (QKV bias) or not at all; got only {given}")
+    norms = {"q_norm_w": q_norm_w, "k_norm_w": k_norm_w}
+    given_n = [n for n, t in norms.items() if t is not None]
+    if given_n and len(given_n) != 2:
+        raise ValueError(f"q_norm_w and k_norm_w must be given together (QK-norm) or not at all; got only {given_n}")
+    want = {"b_q": (G, g, d), "b_k": (G, d), "b_v": (G, d), "q_norm_w": (d,), "k_norm_w": (d,)}
+    for name, t in {**biases, **norms}.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[name] or t.dtype != x.dtype \
+                or t.device != x.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be {list(want[name])} (G={G}, g={g}, d={d} from w_q) in {x.dtype} on "
+                             f"{x.device}, like x; got {got}")
+    if given_n and not (isinstance(qk_norm_eps, (int, float)) and math.isfinite(qk_norm_eps) and qk_norm_eps > 0):
+        raise ValueError(f"qk_norm_eps={qk_norm_eps!r} must be a positive float (Qwen3: 1e-6)")
+
+
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
              ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
-             norm_tile_rows: int = 32768):
+             norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
+             qk_norm_eps: float = 1e-6):
     if norm_tile_rows < 1:
         raise ValueError(f"norm_tile_rows={norm_tile_rows} must be positive")
     if grad_accum not in ("fp32", "input"):
@@ -76,13 +101,15 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
     if norm_w is not None and (norm_w.shape != (x.shape[-1],) or norm_w.dtype != x.dtype):
         raise ValueError(f"norm_w must be [D] = [{x.shape[-1]}] in {x.dtype}; got {tuple(norm_w.shape)} "
                          f"{norm_w.dtype}")
+    _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps)
     G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
     schedule = make_schedule(G * g, G, C, G * g if ulysses else heads_per_stage)
     chosen = select_kernel(x.device, x.dtype, d, kernel, call=stage_call(schedule, x.shape[1], x.shape[0] * C, causal))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
-                 accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows)
+                 accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows,
+                 qk_norm_eps=float(qk_norm_eps))
     if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
         rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
     rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)  # [s, rot/2] each
@@ -92,7 +119,8 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
 def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
-    norm_tile_rows: int = 32768,
+    norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
+    qk_norm_eps: float = 1e-6,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
@@ -103,27 +131,38 @@ def upipe_attention_grouped(
     fused so that backward never builds the [s, b, G·g·d] gradient whole; the result is then [s, b, D] (this
     rank's partial sums under tensor parallelism). norm_w [D] (eps norm_eps): the input RMSNorm, fused so that
     RMSNorm(x) is never whole (x is then the norm's input; gradients flow to x and norm_w), regenerated
-    norm_tile_rows rows at a time. See `upipe_attention` for the others.
+    norm_tile_rows rows at a time.
+
+    b_q [G, g, d], b_k, b_v [G, d] (all three or none): the QKV projection biases (Qwen2/2.5), in the weights'
+    grouped layout (`linear_qkv.bias.view(G, g + 2, d)` sliced [:, :g], [:, g], [:, g + 1]). q_norm_w, k_norm_w
+    [d] (both or none, eps qk_norm_eps): QK-norm (Qwen3's q_norm / k_norm, megatron-core's qk_layernorm), an
+    RMSNorm over the head dim of every q and k head after the projection (+ bias) and before RoPE, HF's formula.
+    All of them are applied stage by stage to the stage's heads only; gradients flow to each of them.
+    See `upipe_attention` for the others.
     """
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
-                        norm_tile_rows=norm_tile_rows)
+                        norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps)
     cos, sin = rope if rope is not None else (None, None)
-    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, cos, sin, op)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
 
 def ulysses_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
     grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5, norm_tile_rows: int = 32768,
+    b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6,
 ):
     """Plain Ulysses with grouped weights (see `upipe_attention_grouped`): one stage of all H heads whose q, k, v
     and out stay in head layout for backward, as DeepSpeed's DistributedAttention over flash attention keeps them.
-    It shares UPipe's projection, RoPE and all-to-all code, so the two differ only in what they keep alive."""
+    It shares UPipe's projection, bias, QK-norm, RoPE and all-to-all code, so the two differ only in what they keep
+    alive (the kept q and k are normalised and rotated; QK-norm's backward recomputes their pre-norm projection)."""
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
-                        norm_tile_rows=norm_tile_rows)
+                        norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps)
     cos, sin = rope if rope is not None else (None, None)
-    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, cos, sin, op)
+    return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
 
 def _group_weights(x, w_q, w_k, w_v, num_heads: int, num_kv_heads: int):
@@ -144,9 +183,26 @@ def _group_weights(x, w_q, w_k, w_v, num_heads: int, num_kv_heads: int):
     return w_q.reshape(num_kv_heads, g, d, D), w_k.reshape(num_kv_heads, d, D), w_v.reshape(num_kv_heads, d, D)
 
 
+def _group_biases(w_q, b_q, b_k, b_v, num_heads: int, num_kv_heads: int):
+    """Natural-order biases b_q [H·d], b_k, b_v [G·d] -> grouped [G, g, d], [G, d], [G, d] (views), like
+    `_group_weights`; None stays None (`_prepare` checks that all three or none are given)."""
+    d = w_q.shape[0] // num_heads
+    g = num_heads // num_kv_heads
+    out = []
+    for name, t, n, shape in (("b_q", b_q, num_heads, (num_kv_heads, g, d)), ("b_k", b_k, num_kv_heads,
+                              (num_kv_heads, d)), ("b_v", b_v, num_kv_heads, (num_kv_heads, d))):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (n * d,)):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be [{'num_heads' if n == num_heads else 'num_kv_heads'}*d] = "
+                             f"[{n * d}] (d={d} from w_q); got {got}")
+        out.append(None if t is None else t.reshape(shape))  # [n·d] -> grouped
+    return out
+
+
 def upipe_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True,
-    softmax_scale=None, kernel: str | None = None,
+    softmax_scale=None, kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
+    qk_norm_eps: float = 1e-6,
 ):
     """UPipe attention of this rank's tokens.
 
@@ -156,23 +212,28 @@ def upipe_attention(
     rotary_pos_emb [N, 1, 1, rot_dim]: angles of all N global positions (megatron-core RotaryEmbedding format),
     of which each rank applies its own, or [s, 1, 1, rot_dim]: the angles of this rank's positions only.
     softmax_scale defaults to 1/sqrt(d). kernel: a name from `kernels.KERNELS` or None for automatic choice.
+    b_q [H·d], b_k, b_v [G·d] (all three or none): QKV projection biases, natural head order. q_norm_w, k_norm_w
+    [d] (both or none): QK-norm weights, eps qk_norm_eps (see `upipe_attention_grouped`).
     Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
-    Differentiable with respect to x, w_q, w_k and w_v.
+    Differentiable with respect to x, w_q, w_k, w_v and the biases and QK-norm weights given.
     """
     gq, gk, gv = _group_weights(x, w_q, w_k, w_v, num_heads, num_kv_heads)
+    bq, bk, bv = _group_biases(w_q, b_q, b_k, b_v, num_heads, num_kv_heads)
     return upipe_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, heads_per_stage=heads_per_stage, rotary_pos_emb=rotary_pos_emb,
-        causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+        causal=causal, softmax_scale=softmax_scale, kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w,
+        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps,
     )
 
 
 def ulysses_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None,
-    kernel: str | None = None,
+    kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6,
 ):
     """Plain Ulysses baseline; same arguments and result as `upipe_attention` without heads_per_stage."""
     gq, gk, gv = _group_weights(x, w_q, w_k, w_v, num_heads, num_kv_heads)
+    bq, bk, bv = _group_biases(w_q, b_q, b_k, b_v, num_heads, num_kv_heads)
     return ulysses_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, rotary_pos_emb=rotary_pos_emb, causal=causal, softmax_scale=softmax_scale,
-        kernel=kernel,
+        kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w, k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps,
     )

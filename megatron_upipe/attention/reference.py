@@ -1,7 +1,8 @@
 """Independent reference: plain full-sequence attention in float64, no chunking, no communication, no kernels.
 
 Used by the tests and by tools/bench_attention.py to check the distributed ops. Explicit softmax over the full
-[N, N] score matrix, GQA by repeating KV heads, megatron-core's rotate-half RoPE.
+[N, N] score matrix, GQA by repeating KV heads, megatron-core's rotate-half RoPE; optional QKV biases and QK-norm
+(RMSNorm over the head dim before RoPE, as HF Qwen3), also in float64.
 Legend: N global tokens, b batch, D model dim, H / G query / KV heads, d head dim.
 """
 
@@ -27,15 +28,26 @@ def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat([x * torch.cos(freqs) + rotated * torch.sin(freqs), rest], -1)
 
 
-def reference_attention(x, w_q, w_k, w_v, num_heads, num_kv_heads, rotary_pos_emb=None, causal=True, softmax_scale=None):
-    """x [N, b, D] (the whole sequence), natural-order weights -> [N, b, H·d], computed in float64."""
+def _rms_heads(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last (head) dim, float64: [N, b, h, d] -> [N, b, h, d]."""
+    return weight.double() * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def reference_attention(x, w_q, w_k, w_v, num_heads, num_kv_heads, rotary_pos_emb=None, causal=True, softmax_scale=None,
+                        b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps=1e-6):
+    """x [N, b, D] (the whole sequence), natural-order weights -> [N, b, H·d], computed in float64.
+
+    b_q [H·d], b_k, b_v [G·d]: projection biases (natural order); q_norm_w, k_norm_w [d]: QK-norm weights."""
     x, w_q, w_k, w_v = (t.double() for t in (x, w_q, w_k, w_v))
     N, b, _ = x.shape
     H, G = num_heads, num_kv_heads
     d = w_q.shape[0] // H
-    q = (x @ w_q.t()).view(N, b, H, d)  # [N, b, H, d]
-    k = (x @ w_k.t()).view(N, b, G, d)  # [N, b, G, d]
-    v = (x @ w_v.t()).view(N, b, G, d)
+    q, k, v = x @ w_q.t(), x @ w_k.t(), x @ w_v.t()  # [N, b, H·d], [N, b, G·d] x2
+    if b_q is not None:
+        q, k, v = q + b_q.double(), k + b_k.double(), v + b_v.double()
+    q, k, v = q.view(N, b, H, d), k.view(N, b, G, d), v.view(N, b, G, d)  # [N, b, heads, d]
+    if q_norm_w is not None:
+        q, k = _rms_heads(q, q_norm_w, qk_norm_eps), _rms_heads(k, k_norm_w, qk_norm_eps)
     if rotary_pos_emb is not None:
         q, k = _rope(q, rotary_pos_emb.double()), _rope(k, rotary_pos_emb.double())
     k, v = k.repeat_interleave(H // G, dim=2), v.repeat_interleave(H // G, dim=2)  # [N, b, H, d]

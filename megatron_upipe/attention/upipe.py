@@ -10,8 +10,8 @@ kernel (keeping its lse), all-to-all the output back to [C, s, b, m, d] and copy
 the output buffer [s, b, H·d] (natural head order). K/V are projected and communicated only at the first stage of
 a KV round and stay resident for the round. Only one stage's buffers are alive at a time.
 
-Backward, saving only x, the weights, the output buffer and per-stage lse: per round recompute K/V, per stage
-recompute q, all-to-all the stage's slices of out and dout into head layout, call the kernel's backward (no
+Backward, saving only x, the weights (and biases, norm weights), the output buffer and per-stage lse: per round
+recompute K/V, per stage recompute q, all-to-all the stage's slices of out and dout into head layout, call the kernel's backward (no
 attention forward recompute), all-to-all dq back, undo RoPE, and accumulate dx and the weight-row gradients;
 dK/dV accumulate over the round's stages and go back once per round.
 
@@ -29,6 +29,16 @@ never holds RMSNorm(x) whole: every projection (and weight-gradient GEMM) regene
 tile from x and the saved per-token 1/rms, and backward turns the accumulated input gradient into the gradient of
 x and of the norm weight tile by tile (norm_tiles.py, whose formulas models/tiled_norm.py uses too, so results
 equal norm-then-op).
+
+QKV bias (Qwen2/2.5: b_q [G, g, d], b_k, b_v [G, d]) and QK-norm (Qwen3: q_norm_w, k_norm_w [d], eps in StageOp):
+each projection adds the bias rows of its own heads (gathered with the same schedule indices as its weight rows,
+one addmm as F.linear) and normalises every q and k head over d (qk_norm.py, HF's formula) before RoPE. Backward
+keeps no more than before: the gradient out of inverse RoPE goes through the norm's backward with the pre-norm
+projection p [s·b, heads·d] and its rstd [s·b, heads, 1] float32, both per-stage temporaries (q's: kept from the
+stage's recomputed projection; k's: recomputed once more when the round's dK is finished, since K is dropped by
+then; Ulysses, which keeps only the normalised q/k in head layout, recomputes both). The bias gradients are the
+column sums of the gradient w.r.t. p; they and the norm weights' gradients (summed over all heads, stages, rounds
+and KV replicas) accumulate in float32 for 16-bit inputs and are rounded once at the end.
 
 With the output projection W_O [D, H·d] passed in (`w_o`), the op returns out @ W_O^T [s, b, D] and its backward
 never builds dout [s, b, H·d] whole: each stage's dout rows are dy @ W_O[:, stage heads], written straight into the
@@ -50,6 +60,7 @@ import torch.distributed as dist
 from .comm import head_to_seq, seq_to_head
 from .kernels import AttentionKernel, kernel_backward, kernel_forward
 from .norm_tiles import rms_tile, rms_tile_backward, rms_tile_rstd
+from .qk_norm import head_norm, head_norm_backward, head_rstd
 from .rope import rotate_into
 from .schedule import UPipeSchedule
 
@@ -73,6 +84,7 @@ class StageOp:
     accumulate_fp32: bool = True
     norm_eps: float = 1e-5  # of the fused input RMSNorm, when its weight is passed
     norm_tile_rows: int = 32768  # rows of RMSNorm(x) regenerated at a time (float32 temporaries [T, D])
+    qk_norm_eps: float = 1e-6  # of the per-head q/k RMSNorm (QK-norm), when its weights are passed
 
 
 def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
@@ -115,13 +127,16 @@ class _Rows:
     def tile(self, a: int, z: int) -> torch.Tensor:  # [z-a, D]
         return self.x2[a:z] if self.norm_w is None else rms_tile(self.x2[a:z], self.norm_w, self.rstd[a:z])
 
-    def mm(self, w_t: torch.Tensor) -> torch.Tensor:
-        """rows @ w_t: [s·b, D] @ [D, R] -> [s·b, R]."""
+    def mm(self, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """rows @ w_t (+ bias): [s·b, D] @ [D, R] (+ [R]) -> [s·b, R]; with a bias one addmm, as F.linear."""
         if self.norm_w is None:
-            return torch.mm(self.x2, w_t)
+            return torch.mm(self.x2, w_t) if bias is None else torch.addmm(bias, self.x2, w_t)
         out = torch.empty((self.x2.shape[0], w_t.shape[1]), dtype=self.x2.dtype, device=self.x2.device)
         for a, z in self.tiles:
-            torch.mm(self.tile(a, z), w_t, out=out[a:z])
+            if bias is None:
+                torch.mm(self.tile(a, z), w_t, out=out[a:z])
+            else:
+                torch.addmm(bias, self.tile(a, z), w_t, out=out[a:z])
         return out
 
     def t_mm(self, g: torch.Tensor) -> torch.Tensor:
@@ -135,11 +150,29 @@ class _Rows:
         return acc.to(g.dtype)
 
 
-def _project_to_heads(rows_in: _Rows, w_rows, rope, s, b, C, h, op: StageOp) -> torch.Tensor:
-    """rows [s·b, D] @ w_rows [C·h, d, D]^T -> RoPE -> all-to-all -> [N, b, h, d] (this rank's h heads)."""
+def _pre_norm(rows_in: _Rows, w_rows, bias_rows, norm_w, op: StageOp):
+    """The heads' projection before QK-norm: p = rows [s·b, D] @ w_rows [R, d, D]^T (+ bias_rows [R, d]) ->
+    [s·b, R·d], and with norm_w its per-head rstd [s·b, R, 1] (float32; float64 for float64), else None."""
+    R, d = w_rows.shape[0], w_rows.shape[1]
+    bias = None if bias_rows is None else bias_rows.reshape(R * d)  # [R, d] -> [R·d]
+    p = rows_in.mm(w_rows.view(R * d, -1).t(), bias)  # [s·b, R·d]
+    rstd = None if norm_w is None else head_rstd(p.view(p.shape[0], R, d), op.qk_norm_eps)  # [s·b, R, 1]
+    return p, rstd
+
+
+def _project_to_heads(rows_in: _Rows, w_rows, rope, s, b, C, h, op: StageOp, bias_rows=None, norm_w=None,
+                      keep_pre: bool = False):
+    """rows [s·b, D] @ w_rows [C·h, d, D]^T (+ bias_rows [C·h, d]) -> QK-norm (norm_w [d]) -> RoPE -> all-to-all
+    -> [N, b, h, d] (this rank's h heads). Returns (heads, pre): pre = (p [s·b, C·h·d], rstd [s·b, C·h, 1]), the
+    pre-norm projection and its rstd, when keep_pre and norm_w is given (for the norm's backward), else None."""
     d = w_rows.shape[1]
-    proj = rows_in.mm(w_rows.view(C * h * d, -1).t())  # [s·b, C·h·d]
-    src = proj.view(s, b, C, h, d)  # [s, b, C, h, d]
+    proj, rstd = _pre_norm(rows_in, w_rows, bias_rows, norm_w, op)  # [s·b, C·h·d], [s·b, C·h, 1] or None
+    pre = None
+    if norm_w is not None:
+        pre = (proj, rstd) if keep_pre else None
+        p3 = proj.view(s * b, C * h, d)  # [s·b, C·h·d] -> [s·b, C·h, d]
+        proj = head_norm(p3, norm_w, rstd, out=None if keep_pre else p3).view(s * b, C * h * d)  # normalised
+    src = proj.view(s, b, C, h, d)  # [s·b, C·h·d] -> [s, b, C, h, d]
     send = torch.empty((C, s, b, h, d), dtype=proj.dtype, device=proj.device)  # [C, s, b, h, d]
     dst = send.permute(1, 2, 0, 3, 4)  # [s, b, C, h, d] view of the send buffer
     if rope is None:
@@ -147,7 +180,7 @@ def _project_to_heads(rows_in: _Rows, w_rows, rope, s, b, C, h, op: StageOp) -> 
     else:
         rotate_into(src, rope[0], rope[1], dst)
     del proj, src, dst
-    return seq_to_head(send, op.group)  # [N, b, h, d]
+    return seq_to_head(send, op.group), pre  # [N, b, h, d]
 
 
 def _heads_to_rows(g_head, rope, s, b, op: StageOp) -> torch.Tensor:
@@ -219,11 +252,18 @@ def _norm_rstd(x2: torch.Tensor, op: StageOp) -> torch.Tensor:
     return rstd
 
 
-def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None):
+def _bias_rows(bias, index):
+    """A stage's (or round's) bias rows, gathered like its weight rows: b[index] -> [R, d], or None."""
+    return None if bias is None else bias[index]
+
+
+def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b_q=None, b_k=None, b_v=None,
+                  q_norm_w=None, k_norm_w=None):
     """x [s, b, D]; w_q [G, g, d, D]; w_k, w_v [G, d, D]; rope = (cos, sin) of this rank's positions [s, rot/2]
     or None.
 
     norm_w [D] with rstd [s·b, 1]: x is the input of the fused RMSNorm (see the module docstring).
+    b_q [G, g, d], b_k, b_v [G, d]: projection biases; q_norm_w, k_norm_w [d]: QK-norm weights (eps op.qk_norm_eps).
     Returns (out [s, b, H·d], lse per stage, kernel aux per stage, (q, k, v, out) head-layout tensors per stage
     when op.save_heads else []).
     """
@@ -241,9 +281,11 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None):
         if st.new_round:
             k_head = v_head = None  # free the previous round's K/V before projecting the next
             kv = round_kv[st.round_index]
-            k_head = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-            v_head = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-        q_head = _project_to_heads(xin, w_q[gi, ji], rope, s, b, C, m, op)  # [N, b, m, d]
+            k_head, _ = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv),
+                                          k_norm_w)  # [N, b, n_kv, d]
+            v_head, _ = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op, _bias_rows(b_v, kv))  # [N, b, n_kv, d]
+        q_head, _ = _project_to_heads(xin, w_q[gi, ji], rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)),
+                                      q_norm_w)  # [N, b, m, d]
         a0, a1 = st.kv_slots
         o, lse, aux = kernel_forward(
             op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
@@ -263,11 +305,19 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None):
 
 
 def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: StageOp, needs_dw: bool = True,
-                   w_o=None, norm_w=None, rstd=None):
-    """Gradients (dx [s, b, D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D], dw_o [D, H·d] or None) given
-    dout [s, b, H·d], or, with the output projection w_o [D, H·d], given dy [s, b, D] (the gradient of out @ w_o^T).
-    With the fused input norm (norm_w [D], rstd [s·b, 1]) dx is the gradient of the norm's input, and the norm
-    weight's gradient is returned first after it: (dx, dw_norm, dw_q, dw_k, dw_v, dw_o).
+                   w_o=None, norm_w=None, rstd=None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None):
+    """Gradients given dout [s, b, H·d], or, with the output projection w_o [D, H·d], given dy [s, b, D] (the
+    gradient of out @ w_o^T): (dx [s, b, D], dw_norm [D], dw_q [G, g, d, D], dw_k [G, d, D], dw_v [G, d, D],
+    dw_o [D, H·d], db_q [G, g, d], db_k [G, d], db_v [G, d], dq_norm_w [d], dk_norm_w [d]), None for each input
+    not given (and for all but dx when not needs_dw). With the fused input norm (norm_w [D], rstd [s·b, 1]) dx is
+    the gradient of the norm's input.
+
+    With QK-norm, the gradient out of inverse RoPE (w.r.t. the normalised heads) goes through the norm's backward
+    (qk_norm.py) with the pre-norm projection p and its rstd: q's are kept from the stage's recomputed projection
+    (UPipe) or recomputed after the kernel's backward (Ulysses, whose saved q is post-norm); k's are recomputed
+    when the round's dK is finished (K/V themselves are dropped before that). The bias gradients are the column
+    sums of the gradient w.r.t. p. The small gradients (biases, QK-norm weights) accumulate in float32 for 16-bit
+    inputs whatever op.accumulate_fp32 says, and are rounded once at the end.
 
     `saved` holds the forward's head-layout (q, k, v, out) per stage when op.save_heads (Ulysses); the list is
     emptied as it is consumed so each stage's tensors die as early as they would under autograd."""
@@ -287,14 +337,35 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         dw_o = torch.mm(dy2.t(), out.view(s * b, H * d)) if needs_dw else None  # [D, H·d]
     dx = torch.zeros((s * b, D), dtype=acc, device=x.device)  # [s·b, D]
     dw_q, dw_k, dw_v = (torch.zeros_like(w, memory_format=torch.contiguous_format) for w in (w_q, w_k, w_v)) if needs_dw else (None,) * 3
+    small = _acc_dtype(dtype, True)  # bias and QK-norm weight gradients: float32 for 16-bit inputs
+
+    def small_acc(t):  # [*] accumulator for the gradient of t, or None
+        return torch.zeros(t.shape, dtype=small, device=x.device) if needs_dw and t is not None else None
+
+    db_q, db_k, db_v, dqn_w, dkn_w = (small_acc(t) for t in (b_q, b_k, b_v, q_norm_w, k_norm_w))
 
     def add_input_grad(rows, w_rows):  # dx += rows [s·b, R] @ w_rows [R, D], summed in dx's dtype
         accumulate_mm(dx, rows, w_rows)
 
+    def pre_norm_grad(rows, pre, nw, dnw):  # gradient w.r.t. normalised heads [s·b, R·d] -> w.r.t. p [s·b, R·d]
+        if nw is None:
+            return rows
+        p, p_rstd = pre  # [s·b, R·d], [s·b, R, 1]
+        R = p_rstd.shape[1]
+        dp = head_norm_backward(p.view(s * b, R, d), nw, p_rstd, rows.view(s * b, R, d), dnw)  # [s·b, R, d]
+        return dp.view(s * b, R * d)
+
     def finish_round(kv, dk_acc, dv_acc):
-        for g_acc, w, dw, rot in ((dk_acc, w_k, dw_k, rope), (dv_acc, w_v, dw_v, None)):
+        for g_acc, w, dw, rot, bias, nw, dnw, db in ((dk_acc, w_k, dw_k, rope, b_k, k_norm_w, dkn_w, db_k),
+                                                      (dv_acc, w_v, dw_v, None, b_v, None, None, db_v)):
             rows = _heads_to_rows(g_acc.to(dtype), rot, s, b, op)  # [s·b, C·n_kv·d]
             w_rows = w[kv].view(C * n_kv * d, D)
+            if nw is not None:  # K's pre-norm projection, recomputed: K itself is gone by now
+                pre = _pre_norm(xin, w[kv], _bias_rows(bias, kv), nw, op)  # [s·b, C·n_kv·d], [s·b, C·n_kv, 1]
+                rows = pre_norm_grad(rows, pre, nw, dnw)
+                del pre
+            if db is not None:  # replicas sum here
+                db.index_add_(0, kv, rows.view(s * b, C * n_kv, d).sum(0, dtype=small))  # [C·n_kv, d]
             add_input_grad(rows, w_rows)
             if needs_dw:
                 dw.index_add_(0, kv, xin.t_mm(rows).view(C * n_kv, d, D))  # replicas sum here
@@ -303,15 +374,19 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     for idx, (st, heads, (gi, ji)) in enumerate(zip(sched.stages, stage_heads, stage_rows)):
         kv = round_kv[st.round_index]
         w_rows = w_q[gi, ji]  # [U, d, D]
+        q_pre = None
         if op.save_heads:
             q_head, k_head, v_head, o_head = saved.pop(0)  # [N, b, m, d], [N, b, n_kv, d] x2, o [b, m, N, d]
             o_head = o_head.permute(2, 0, 1, 3)  # [N, b, m, d]
         else:
             if st.new_round:
                 k_head = v_head = None
-                k_head = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-                v_head = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op)  # [N, b, n_kv, d]
-            q_head = _project_to_heads(xin, w_rows, rope, s, b, C, m, op)  # [N, b, m, d]
+                k_head, _ = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv),
+                                              k_norm_w)  # [N, b, n_kv, d]
+                v_head, _ = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op,
+                                              _bias_rows(b_v, kv))  # [N, b, n_kv, d]
+            q_head, q_pre = _project_to_heads(xin, w_rows, rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)),
+                                              q_norm_w, keep_pre=True)  # [N, b, m, d]; pre-norm q for its norm
             o_head = seq_to_head(_gather_heads(out_shbd, heads, C), op.group)  # [N, b, m, d]
         if st.new_round:
             dk_acc = torch.zeros(k_head.shape, dtype=acc, device=x.device)  # [N, b, n_kv, d]
@@ -331,6 +406,13 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         del dk, dv
         rows = _heads_to_rows(dq.permute(2, 0, 1, 3), rope, s, b, op)  # [s·b, U·d]
         del dq
+        if q_norm_w is not None:
+            if q_pre is None:  # Ulysses keeps the normalised q only: recompute the pre-norm projection
+                q_pre = _pre_norm(xin, w_rows, _bias_rows(b_q, (gi, ji)), q_norm_w, op)  # [s·b, U·d], [s·b, U, 1]
+            rows = pre_norm_grad(rows, q_pre, q_norm_w, dqn_w)  # [s·b, U·d]
+        del q_pre
+        if db_q is not None:
+            db_q[gi, ji] = rows.view(s * b, -1, d).sum(0, dtype=small)  # [U, d]
         add_input_grad(rows, w_rows.view(-1, D))
         if needs_dw:
             dw_q[gi, ji] = xin.t_mm(rows).view(-1, d, D)
@@ -340,10 +422,12 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             k_head = v_head = None
             finish_round(kv, dk_acc, dv_acc)
             dk_acc = dv_acc = None
+    small_grads = tuple(None if a is None else a.to(t.dtype) for a, t in
+                        ((db_q, b_q), (db_k, b_k), (db_v, b_v), (dqn_w, q_norm_w), (dkn_w, k_norm_w)))
     if norm_w is None:
-        return dx.view(s, b, D).to(dtype), None, dw_q, dw_k, dw_v, dw_o
+        return (dx.view(s, b, D).to(dtype), None, dw_q, dw_k, dw_v, dw_o) + small_grads
     dx, dw_norm = _norm_backward(dx, xin, dtype)
-    return dx.view(s, b, D), dw_norm, dw_q, dw_k, dw_v, dw_o
+    return (dx.view(s, b, D), dw_norm, dw_q, dw_k, dw_v, dw_o) + small_grads
 
 
 def _norm_backward(dxn: torch.Tensor, xin: _Rows, dtype):
@@ -381,12 +465,15 @@ class _Slot:
     index: int
 
 
-_N_FIXED = 10  # x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin
+# x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, rstd, out, rope_cos, rope_sin
+_N_FIXED = 15
 
 
 class UPipeFunction(torch.autograd.Function):
-    """(x, w_q, w_k, w_v, w_o or None, norm_w or None, cos, sin, op) -> out [s, b, H·d], or out @ w_o^T [s, b, D]
-    with w_o; with norm_w, x is the input of the fused RMSNorm.
+    """(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op) -> out [s, b, H·d], or
+    out @ w_o^T [s, b, D] with w_o; with norm_w, x is the input of the fused RMSNorm; b_q [G, g, d], b_k, b_v [G, d]
+    are the projection biases and q_norm_w, k_norm_w [d] the QK-norm weights. Every optional input may be None; its
+    gradient is then None.
 
     Every tensor backward needs goes through ctx.save_for_backward: the inputs, rstd, the output buffer, each
     stage's lse, the tensors inside the kernels' aux and, for Ulysses, the head-layout q, k, v, out. So saved-tensor
@@ -396,16 +483,18 @@ class UPipeFunction(torch.autograd.Function):
     stage by stage inside upipe_backward rather than at the end of the node."""
 
     @staticmethod
-    def forward(ctx, x, w_q, w_k, w_v, w_o, norm_w, rope_cos, rope_sin, op: StageOp):
+    def forward(ctx, x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, rope_cos, rope_sin,
+                op: StageOp):
         rope = None if rope_cos is None else (rope_cos, rope_sin)
         rstd = None if norm_w is None else _norm_rstd(x.reshape(-1, x.shape[-1]), op)  # [s·b, 1] float32
-        out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op, norm_w, rstd)
+        out, lses, auxes, saved = upipe_forward(x, w_q, w_k, w_v, rope, op, norm_w, rstd, b_q, b_k, b_v, q_norm_w,
+                                                k_norm_w)
         aux_tensors: list[torch.Tensor] = []
         ctx.aux_layout = _split_tensors(auxes, aux_tensors)
         ctx.n_stages, ctx.n_aux, ctx.op = len(lses), len(aux_tensors), op
         heads = [t for stage in saved for t in stage]  # (q, k, v, o) per stage, Ulysses only
-        ctx.save_for_backward(x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin, *lses, *aux_tensors,
-                              *heads)
+        ctx.save_for_backward(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, rstd, out, rope_cos,
+                              rope_sin, *lses, *aux_tensors, *heads)
         del saved, heads
         if w_o is None:
             return out
@@ -418,7 +507,8 @@ class UPipeFunction(torch.autograd.Function):
         clear = getattr(ctx, "maybe_clear_saved_tensors", None)  # torch >= 2.2; without it, heads live to the end
         if clear is not None:
             clear()
-        x, w_q, w_k, w_v, w_o, norm_w, rstd, out, rope_cos, rope_sin = tensors[:_N_FIXED]
+        x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, rstd, out, rope_cos, rope_sin = \
+            tensors[:_N_FIXED]
         S, A = ctx.n_stages, ctx.n_aux
         lses = tensors[_N_FIXED:_N_FIXED + S]
         auxes = _join_tensors(ctx.aux_layout, tensors[_N_FIXED + S:_N_FIXED + S + A])
@@ -426,9 +516,9 @@ class UPipeFunction(torch.autograd.Function):
         saved = [tuple(heads[i:i + 4]) for i in range(0, len(heads), 4)]  # consumed (and freed) stage by stage
         del tensors, heads
         rope = None if rope_cos is None else (rope_cos, rope_sin)
-        needs_dw = any(ctx.needs_input_grad[1:6])
-        dx, dw_norm, dw_q, dw_k, dw_v, dw_o = upipe_backward(
+        needs_dw = any(ctx.needs_input_grad[1:11])
+        dx, dw_norm, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, dq_norm_w, dk_norm_w = upipe_backward(
             grad, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, ctx.op, needs_dw, w_o=w_o,
-            norm_w=norm_w, rstd=rstd,
+            norm_w=norm_w, rstd=rstd, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w, k_norm_w=k_norm_w,
         )
-        return dx, dw_q, dw_k, dw_v, dw_o, dw_norm, None, None, None
+        return dx, dw_q, dw_k, dw_v, dw_o, dw_norm, db_q, db_k, db_v, dq_norm_w, dk_norm_w, None, None, None
