@@ -20,6 +20,7 @@ setup(
         "tqdm",
         "sentencepiece",
         "tokenizers",
+        "safetensors",  # HF checkpoints: tools/convert_hf_llama.py and checkpoint.load=HF_DIR
         "tensorboard",
         "matplotlib",  # the memory planner's plot
     ],

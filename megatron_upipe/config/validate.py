@@ -194,6 +194,14 @@ def validate(config: Config, world_size: int) -> Plan:
         errors.append(f"train.eval_interval={t.eval_interval} but data.split={d.split} leaves no validation data: "
                       f"give the second weight a share, or set train.eval_interval=0")
 
+    if d.document_mask and p.cp_strategy not in ("ulysses", "upipe"):
+        errors.append(f"data.document_mask=true is implemented in the UPipe/Ulysses attention op: set "
+                      f"parallel.cp_strategy=upipe (also at cp=1) or ulysses, not {p.cp_strategy}")
+    if d.document_mask and t.micro_batch_size != 1:
+        errors.append(f"data.document_mask=true packs one sample per micro-batch (its document boundaries are one "
+                      f"cu_seqlens, as megatron's THD format): set train.micro_batch_size=1 (got "
+                      f"{t.micro_batch_size}) and raise train.global_batch_size for more samples per step")
+
     # fully sharded model states (memory_stack.sharding)
     if config.memory.shard_model_states:
         if arch.tie_embeddings and config.memory.fsdp_embedding_unit:

@@ -1,7 +1,15 @@
 """Everything one run needs, built once and held in a `TrainState` that the loop and checkpointing share.
 
-Order: tokenizer -> model (this pipeline stage, the UPipe/Ulysses spec from parallel.cp_strategy) -> DDP ->
-optimizer and schedule -> datasets -> resume (checkpoint.dir's latest, else checkpoint.load) -> metrics sinks.
+Order: tokenizer -> where the weights come from (checkpoint.dir's latest, else checkpoint.load) -> model (this
+pipeline stage, the UPipe/Ulysses spec from parallel.cp_strategy) -> initial weights when checkpoint.load is a
+converted HF checkpoint or an HF directory -> DDP or Megatron-FSDP -> optimizer and schedule -> datasets -> resume
+from a training checkpoint -> metrics sinks.
+
+checkpoint.load of a converted checkpoint (tools/convert_hf_llama.py hf-to-mcore) or of an HF directory loads
+weights only, into the plain GPTModel right after it is built and before it is wrapped (so every layout and both
+wrappers take them; dist_checkpointing reshards, an HF directory is converted per rank in memory); the optimizer and
+LR schedule start fresh. Its model must match the run's model.* (RoPE fields excepted) and its vocabulary the run's,
+checked before the model is allocated (megatron_upipe/checkpoint/sources.py).
 """
 
 from __future__ import annotations
@@ -12,11 +20,13 @@ from pathlib import Path
 
 import torch
 
+from megatron_upipe.checkpoint.sources import CONVERTED, TRAINING, Source, classify_source, weights_mismatch
 from megatron_upipe.config import Config, Plan
 from megatron_upipe.data.tokenizers import Tokenizer
 from megatron_upipe.memory_stack.host_budget import host_memory_refusal, offload_pool_bytes
 from megatron_upipe.memory_stack.offload import HostOffloader
 from megatron_upipe.models.llama import LlamaStage, build_llama, llama_transformer_config
+from megatron_upipe.models.presets import LlamaArch
 from megatron_upipe.training import checkpointing
 from megatron_upipe.training.data import RunData, build_run_data, build_run_tokenizer, model_vocab_size
 from megatron_upipe.training.metrics import MetricsLogger, NullLogger, model_flops_per_token
@@ -41,6 +51,7 @@ class TrainState:
     consumed_samples: int = 0  # over all DP ranks
     resumed_from: Path | None = None
     last_saved_step: int | None = None
+    notes: list[str] = field(default_factory=list)  # start-up lines for the log (weights loaded, RoPE changed)
 
     @property
     def model(self):
@@ -65,22 +76,44 @@ def use_bf16(config: Config) -> bool:
     return torch.cuda.is_available() if config.train.bf16 == "auto" else bool(config.train.bf16)
 
 
-def resume_source(config: Config) -> Path | None:
-    """checkpoint.dir's latest checkpoint unless resume=false, else checkpoint.load, else None (fresh start)."""
+def resume_source(config: Config) -> Source | None:
+    """checkpoint.dir's latest checkpoint unless resume=false, else checkpoint.load (a training checkpoint, a
+    converted HF checkpoint or an HF directory), else None (fresh start)."""
     c = config.checkpoint
     if c.dir is not None and c.resume is not False:
         found = checkpointing.find_checkpoint(c.dir)
         if found is not None:
-            return found
+            return Source(TRAINING, found)
         if c.resume is True:
             raise checkpointing.CheckpointError(f"checkpoint.resume=true but {c.dir} holds no complete checkpoint")
     if c.load is not None:
-        found = checkpointing.find_checkpoint(c.load)
-        if found is None:
-            raise checkpointing.CheckpointError(f"checkpoint.load={c.load} is neither a checkpoint directory nor a "
-                                                f"directory with a `latest` file")
-        return found
+        return classify_source(c.load)
     return None
+
+
+def check_initial_weights(source: Source, config: Config, vocab: int) -> str | None:
+    """Refuse (CheckpointError) a converted/HF source whose model or vocabulary differs from the run's; returns the
+    RoPE note, if any."""
+    try:
+        problem, note = weights_mismatch(source, config, vocab)
+    except (OSError, ValueError) as e:
+        raise checkpointing.CheckpointError(f"checkpoint.load={source.path}: {' '.join(str(e).split())}") from None
+    if problem is not None:
+        raise checkpointing.CheckpointError(problem)
+    return note
+
+
+def load_initial_weights(stage: LlamaStage, source: Source, pg) -> None:
+    """A converted checkpoint (dist_checkpointing, resharded) or an HF directory (converted per rank) into this
+    rank's unwrapped stage; every rank calls it."""
+    if source.kind == CONVERTED:
+        from megatron_upipe.checkpoint.mcore_io import load_mcore_checkpoint
+
+        load_mcore_checkpoint(stage.model, source.path)
+    else:
+        from megatron_upipe.checkpoint.hf_import import load_hf_dir_into_stage
+
+        load_hf_dir_into_stage(stage, source.path, pg)
 
 
 def memory_switches(config: Config, plan: Plan, bf16: bool, offloader_cls=HostOffloader, pp_rank: int = 0) -> dict:
@@ -93,30 +126,46 @@ def memory_switches(config: Config, plan: Plan, bf16: bool, offloader_cls=HostOf
             "offloader": offloader_cls(pool_bytes=pool) if m.offload_checkpoints else None}
 
 
+def build_stage(config: Config, plan: Plan, groups: Groups, vocab: int, arch: LlamaArch | None = None) -> LlamaStage:
+    """This rank's model stage as the run builds it (dtype, recompute, memory switches); `arch` defaults to the
+    plan's (the exporter passes the checkpoint's)."""
+    recompute = None if config.memory.recompute == "none" else config.memory.recompute
+    arch = arch if arch is not None else plan.arch
+    tconfig = llama_transformer_config(arch, groups.layout, dtype=torch.bfloat16 if use_bf16(config) else
+                                       torch.float32, init_method_std=config.model.init_method_std,
+                                       recompute_granularity=recompute)
+    return build_llama(arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
+                       attention_kernel=config.model.attention_kernel, kernel_device=groups.device,
+                       **memory_switches(config, plan, use_bf16(config), pp_rank=groups.pg.pp.rank()))
+
+
 def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
     check_distributed_optimizer(config)
     tokenizer = build_run_tokenizer(config, plan)
     vocab = model_vocab_size(tokenizer, config)
+    source = resume_source(config)
+    notes = []
+    if source is not None and source.kind != TRAINING:  # before anything is allocated
+        notes.append(check_initial_weights(source, config, vocab))
     refusal = host_memory_refusal(config, plan, vocab, bf16=use_bf16(config), device=groups.device,
                                   world_size=groups.world_size)
     if refusal is not None:  # before the model and the host pool are allocated
         raise UnsupportedOnThisMachine(refusal)
-    recompute = None if config.memory.recompute == "none" else config.memory.recompute
-    tconfig = llama_transformer_config(plan.arch, groups.layout, dtype=torch.bfloat16 if use_bf16(config) else
-                                       torch.float32, init_method_std=config.model.init_method_std,
-                                       recompute_granularity=recompute)
-    stage = build_llama(plan.arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
-                        attention_kernel=config.model.attention_kernel, kernel_device=groups.device,
-                        **memory_switches(config, plan, use_bf16(config), pp_rank=groups.pg.pp.rank()))
-    ddp = wrap_model(stage.model, tconfig, config)
-    optimizer, scheduler = build_optimizer(ddp, tconfig, config)
+    stage = build_stage(config, plan, groups, vocab)
+    if source is not None and source.kind != TRAINING:  # weights only, into the unwrapped model
+        load_initial_weights(stage, source, groups.pg)
+        notes.append(f"loaded weights only from {source.path} ({source.words}): optimizer and schedule start fresh")
+    ddp = wrap_model(stage.model, stage.config, config)
+    optimizer, scheduler = build_optimizer(ddp, stage.config, config)
     data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device)
     state = TrainState(config, plan, groups, tokenizer, stage, ddp, optimizer, scheduler, data)
-    source = resume_source(config)
-    if source is not None:
-        meta = checkpointing.load_checkpoint(state, source)
-        state.step, state.consumed_samples, state.resumed_from = meta["step"], meta["consumed_samples"], source
-        state.last_saved_step = meta["step"] if source.parent == Path(config.checkpoint.dir or "") else None
+    state.notes += [n for n in notes if n is not None]
+    if source is not None and source.kind == TRAINING:
+        meta = checkpointing.load_checkpoint(state, source.path)
+        state.step, state.consumed_samples, state.resumed_from = meta["step"], meta["consumed_samples"], source.path
+        state.last_saved_step = meta["step"] if source.path.parent == Path(config.checkpoint.dir or "") else None
     if groups.rank == 0:
         state.logger = MetricsLogger(config.log, dataclasses.asdict(config), state.step)
+        for note in state.notes:
+            state.logger.message(note)
     return state

@@ -20,7 +20,8 @@ Formats (train_state.json's "format"; a checkpoint without the field is "dist_ch
   (a parameter whose local slice is empty has no Adam state on that rank), the optimizer's hyper-parameter groups
   and the LR schedule. Nothing is gathered or resharded: it loads only into the same tp/pp/cp/dp layout (same world
   size, same model and precision, hence the same buffer slicing), which is checked before any tensor is read; there
-  is no conversion to another layout or to dist_checkpointing.
+  is no conversion to another layout or to dist_checkpointing. `tools/convert_hf_llama.py mcore-to-hf` exports it
+  (relaunching the layout on CPU and loading the model buffers alone: `load_fsdp_model_buffers`).
 
 Atomic save: all ranks write into `iter_XXXXXXX.tmp`; after a barrier (every rank finished), rank 0 writes
 train_state.json, renames the directory to `iter_XXXXXXX` and then replaces `latest` (write-temp, fsync,
@@ -30,7 +31,12 @@ prunes the oldest complete checkpoints (never the one `latest` names).
 Resume: `find_checkpoint(path)` accepts a checkpoint directory or a run directory holding `latest`. Before loading
 any tensor, the saved model shape and tokenizer are compared with the run's, and a mismatch is refused with a
 message naming each differing field; so are a checkpoint of the other format (dist_checkpointing into a fully
-sharded run or the reverse) and, for "fsdp_per_rank", a different tp/pp/cp/dp layout.
+sharded run or the reverse) and, for "fsdp_per_rank", a different tp/pp/cp/dp layout. The RoPE fields
+(model.rotary_base, rope_scaling, max_position_embeddings) may change (a long-context extension): logged as one
+"RoPE changed from the checkpoint: ..." line. The model of an older train_state.json without the newer fields
+(qkv_bias, qk_norm, tie_embeddings, rope_scaling) is read with their defaults, so old checkpoints still resume.
+`checkpoint.load` may also name a converted HF checkpoint or an HF directory (weights only, loaded before the model
+is wrapped: training/build.py and megatron_upipe/checkpoint/sources.py).
 megatron-core's writer (torch_dist strategy) starts a multiprocessing Manager (spawn) in every rank that writes
 shards, on its first save: the entry script needs its `if __name__ == "__main__"` guard, and a SIGKILLed rank leaves
 that Manager orphaned (a batch scheduler's job clean-up removes it; on a workstation kill it by hand).
@@ -53,10 +59,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_upipe.checkpoint.sources import LATEST, CheckpointError, compare_models, find_checkpoint
+from megatron_upipe.checkpoint.sources import TRAIN_META as META
 from megatron_upipe.training.signals import blocked_in_children
 
-META = "train_state.json"
-LATEST = "latest"
 FORMAT_DIST = "dist_checkpointing"  # also what a checkpoint without a "format" field is
 FORMAT_FSDP = "fsdp_per_rank"
 FSDP_DIR = "fsdp"
@@ -65,44 +71,31 @@ _FSDP_BUFFERS = ("model_weight_buffer", "main_weight_buffer", "transpose_weight_
 _ITER = re.compile(r"^iter_(\d{7,})$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used by this run (missing, or saved for another model / tokenizer)."""
-
-
 def checkpoint_name(step: int) -> str:
     return f"iter_{step:07d}"
-
-
-def find_checkpoint(path: str | Path) -> Path | None:
-    """The complete checkpoint `path` names: itself (it holds train_state.json) or the one its `latest` names."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    latest = path / LATEST
-    if latest.is_file():
-        target = path / latest.read_text().strip()
-        if (target / META).is_file():
-            return target
-        replaced = target.with_name(target.name + ".replaced")  # killed while re-saving the step `latest` names
-        if (replaced / META).is_file():
-            return replaced
-        raise CheckpointError(f"{latest} names {target.name}, which is not a complete checkpoint")
-    return None
 
 
 def read_meta(ckpt: Path) -> dict:
     return json.loads((ckpt / META).read_text())
 
 
-def check_compatible(meta: dict, expected: dict, ckpt: Path) -> None:
-    """Refuse a checkpoint whose model shape or tokenizer differs from the run's, naming every differing field."""
-    diffs = [f"model.{k}: checkpoint {meta['model'].get(k)!r} != config {v!r}"
-             for k, v in expected["model"].items() if meta["model"].get(k) != v]
+def check_compatible(meta: dict, expected: dict, ckpt: Path) -> str | None:
+    """Refuse a checkpoint whose model shape or tokenizer differs from the run's, naming every differing field.
+
+    The RoPE fields (model.rotary_base, rope_scaling, max_position_embeddings) may differ (a long-context
+    extension): returned as one "RoPE changed from the checkpoint: ..." note (None when equal). The saved model of
+    an older checkpoint without the newer fields (qkv_bias, qk_norm, ...) takes LlamaArch's defaults for them."""
+    try:
+        diffs, note = compare_models(meta["model"], expected["model"])
+    except (TypeError, ValueError) as e:  # a field this version does not know
+        raise CheckpointError(f"checkpoint {ckpt} records a model this version cannot read ({e}); refusing to "
+                              f"load it") from None
     diffs += [f"tokenizer {k}: checkpoint {meta['tokenizer'].get(k)!r} != run {v!r}"
               for k, v in expected["tokenizer"].items() if meta["tokenizer"].get(k) != v]
     if diffs:
         raise CheckpointError(f"checkpoint {ckpt} does not match this run's model/tokenizer; refusing to load it:\n- "
                               + "\n- ".join(diffs))
+    return note
 
 
 def _fsync_dir(path: Path) -> None:
@@ -264,37 +257,43 @@ def _save_file(obj, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsdp_plan_load(state, saved: dict) -> tuple[list, list[str]]:
-    """Match this rank's saved shards with the run's tensors: (copy actions, problems). Reads nothing into the run."""
-    pgb, names = _fsdp_parts(state)
-    problems, actions = [], []
+def _match(problems: list[str], what: str, have: torch.Tensor, got: torch.Tensor) -> bool:
+    if tuple(have.shape) != tuple(got.shape) or have.dtype != got.dtype:
+        problems.append(f"{what}: checkpoint {tuple(got.shape)} {got.dtype} != run {tuple(have.shape)} {have.dtype}")
+        return False
+    return True
+
+
+def _plan_buffers(pgb, saved: dict, problems: list[str]) -> list:
+    """Copy actions for this rank's saved Megatron-FSDP buffer shards into the run's (problems appended)."""
     if (saved.get("rank"), saved.get("world_size")) != (dist.get_rank(), dist.get_world_size()):
         problems.append(f"the file is rank {saved.get('rank')} of {saved.get('world_size')}, this is rank "
                         f"{dist.get_rank()} of {dist.get_world_size()}")
-
-    def match(what, have: torch.Tensor, got: torch.Tensor) -> bool:
-        if tuple(have.shape) != tuple(got.shape) or have.dtype != got.dtype:
-            problems.append(f"{what}: checkpoint {tuple(got.shape)} {got.dtype} != run {tuple(have.shape)} "
-                            f"{have.dtype}")
-            return False
-        return True
-
-    groups = pgb.parameter_groups
+    groups, actions = pgb.parameter_groups, []
     if len(saved["buffers"]) != len(groups):
         problems.append(f"{len(saved['buffers'])} Megatron-FSDP parameter groups in the checkpoint, {len(groups)} "
                         f"in the run")
-    else:
-        for i, (group, bufs) in enumerate(zip(groups, saved["buffers"])):
-            have = {a for a in _FSDP_BUFFERS if getattr(group, a, None) is not None
-                    and getattr(getattr(group, a), "data", None) is not None}
-            if have != set(bufs):
-                problems.append(f"parameter group {i}: buffers {sorted(bufs)} in the checkpoint, {sorted(have)} in "
-                                f"the run")
-                continue
-            for attr, t in bufs.items():
-                data = getattr(group, attr).data
-                if match(f"parameter group {i} {attr}", data, t):
-                    actions.append(("copy", data, t))
+        return actions
+    for i, (group, bufs) in enumerate(zip(groups, saved["buffers"])):
+        have = {a for a in _FSDP_BUFFERS if getattr(group, a, None) is not None
+                and getattr(getattr(group, a), "data", None) is not None}
+        if have != set(bufs):
+            problems.append(f"parameter group {i}: buffers {sorted(bufs)} in the checkpoint, {sorted(have)} in "
+                            f"the run")
+            continue
+        for attr, t in bufs.items():
+            data = getattr(group, attr).data
+            if _match(problems, f"parameter group {i} {attr}", data, t):
+                actions.append(("copy", data, t))
+    return actions
+
+
+def _fsdp_plan_load(state, saved: dict) -> tuple[list, list[str]]:
+    """Match this rank's saved shards with the run's tensors: (copy actions, problems). Reads nothing into the run."""
+    pgb, names = _fsdp_parts(state)
+    problems: list[str] = []
+    actions = _plan_buffers(pgb, saved, problems)
+    match = lambda what, have, got: _match(problems, what, have, got)  # noqa: E731
     opts = _optimizers(state.optimizer)
     if len(saved["optimizers"]) != len(opts):
         problems.append(f"{len(saved['optimizers'])} optimizers in the checkpoint, {len(opts)} in the run")
@@ -325,22 +324,43 @@ def _fsdp_plan_load(state, saved: dict) -> tuple[list, list[str]]:
     return actions, problems
 
 
-@torch.no_grad()
-def _load_fsdp(state, ckpt: Path) -> None:
-    """Load this rank's file of a per-rank FSDP checkpoint (layout already checked); every rank calls it."""
-    rank = dist.get_rank()
-    path = ckpt / FSDP_DIR / f"rank{rank:05d}.pt"
+def _read_rank_file(ckpt: Path, plan, device) -> tuple[dict | None, list]:
+    """This rank's fsdp/rankNNNNN.pt and `plan(saved) -> (actions, problems)`, with every rank's verdict agreed
+    (all_reduce) before any copy; CheckpointError when any rank has a problem."""
+    path = ckpt / FSDP_DIR / f"rank{dist.get_rank():05d}.pt"
     if path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=False)
-        actions, problems = _fsdp_plan_load(state, saved)
+        actions, problems = plan(saved)
     else:
         saved, actions, problems = None, [], [f"{path} is missing"]
-    bad = torch.tensor([len(problems)], dtype=torch.int64, device=state.groups.device)
+    bad = torch.tensor([len(problems)], dtype=torch.int64, device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank reaches the same verdict before any copy
     if bad.item():
         raise CheckpointError(f"checkpoint {ckpt} ({FORMAT_FSDP}) does not fit this run's fully sharded states; "
                               f"refusing to load it:\n- " + ("\n- ".join(problems) if problems else
                                                               "another rank's shards differ (see its message)"))
+    return saved, actions
+
+
+@torch.no_grad()
+def load_fsdp_model_buffers(ddp, ckpt: Path, device=torch.device("cpu")) -> None:
+    """The model part only of a per-rank FSDP checkpoint (compute and fp32 main parameter shards) into a
+    Megatron-FSDP-wrapped stage of the same layout (tools/convert_hf_llama.py mcore-to-hf); every rank calls it."""
+    pgb = ddp.param_and_grad_buffer
+
+    def plan(saved):
+        problems: list[str] = []
+        return _plan_buffers(pgb, saved, problems), problems
+
+    _, actions = _read_rank_file(ckpt, plan, device)
+    for _, data, t in actions:
+        data.copy_(t)
+
+
+@torch.no_grad()
+def _load_fsdp(state, ckpt: Path) -> None:
+    """Load this rank's file of a per-rank FSDP checkpoint (layout already checked); every rank calls it."""
+    saved, actions = _read_rank_file(ckpt, lambda saved: _fsdp_plan_load(state, saved), state.groups.device)
     for action in actions:
         if action[0] == "copy":
             action[1].copy_(action[2])
@@ -437,8 +457,10 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 def load_checkpoint(state, ckpt: Path) -> dict:
     """Load `ckpt` into `state` (model, optimizer, schedule, RNG if same layout); returns its metadata."""
     meta = read_meta(ckpt)
-    check_compatible(meta, state.meta(), ckpt)
+    rope_note = check_compatible(meta, state.meta(), ckpt)
     check_format(meta, state, ckpt)
+    if rope_note is not None:
+        state.notes.append(rope_note)
     if checkpoint_format(state) == FORMAT_FSDP:
         _load_fsdp(state, ckpt)
     else:
