@@ -38,3 +38,36 @@ def test_bench_refuses_illegal_u(tmp_path):
     )
     assert proc.returncode != 0
     assert "heads_per_stage=3" in proc.stderr
+
+
+def test_bench_attention_packed_documents(tmp_path):
+    """--docs: every strategy also on the same N tokens packed as documents (checked against the block-diagonal
+    reference first), side by side with one causal sequence: ratios docs / 1 seq in the table and the JSON."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_attention.py", "--heads", "8", "--kv-heads", "2", "--head-dim", "16",
+         "--seq-len", "256", "--cp", "2", "--u", "2", "--check-seq-len", "64", "--iters", "1", "--docs", "16",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "docs/1seq" in proc.stdout and "packed documents of about 16 tokens" in proc.stdout
+    res = json.loads(out.read_text())["results"]
+    assert [(r["strategy"], r["heads_per_stage"], r["documents"] > 1) for r in res] == [
+        ("ulysses", 8, False), ("ulysses", 8, True), ("upipe", 2, False), ("upipe", 2, True)]
+    for one, docs in (res[0:2], res[2:4]):
+        assert docs["documents"] >= 256 // 24 and docs["max_rel_err"] < 1e-4
+        assert docs["time_ratio_vs_one_sequence"] == docs["median_s"] / one["median_s"]
+        # the documents' kernel calls gather a length's documents: a little more than one sequence's peak
+        assert one["tracked_peak_bytes"] <= docs["tracked_peak_bytes"] <= 1.2 * one["tracked_peak_bytes"]
+        assert "time_ratio_vs_one_sequence" not in one
+
+
+def test_bench_refuses_documents_with_a_batch(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_attention.py", "--heads", "8", "--kv-heads", "2", "--head-dim", "16",
+         "--seq-len", "64", "--cp", "2", "--batch", "2", "--docs", "8", "--check-seq-len", "32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "need batch 1" in proc.stderr and "--docs 8 --batch 2" in proc.stderr

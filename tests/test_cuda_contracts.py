@@ -18,7 +18,19 @@ checked on a GPU by tools/gpu_check.sh), at H 32, H_kv 8, d 128, D 4096, N = 1M 
    allocates the same outputs (shape, dtype, strides) as the kernel's meta function, and the op's tracked peak
    with it equals the op's tracked peak with the CUDA kernel;
 4. the closed-form memory model counts the K/V expansion of kernels without native GQA (sdpa_efficient): tracked
-   peaks with the stand-ins (real CPU tensors, C = 1 and 2) within 1% of `attention_memory(native_gqa=...)`.
+   peaks with the stand-ins (real CPU tensors, C = 1 and 2) within 1% of `attention_memory(native_gqa=...)`;
+5. packed documents (cu_seqlens: a 1-token document, then documents of up to 64K tokens, straddling the shards):
+   the op's outputs and gradients (as 1.) with sdpa_flash and sdpa_efficient, whose varlen calls
+   (aten._flash_attention_forward / _efficient_attention_forward with cumulative lengths) have meta kernels; each
+   kernel's varlen call at a stage's views against its planning stand-in (out, lse, dq, dk, dv: shape, dtype,
+   strides; lse [h, N] for flash, [documents, h, longest rounded up to 32] for efficient), and the op's tracked
+   peak with each; flash-attn's and TE's varlen bindings at the same views through stand-in modules with the
+   signatures of flash-attn 2.6.3 and TE 2.18 (tests/test_kernels.py) that allocate what those releases allocate
+   (flash-attn's registered fake: out like q, lse [h, T]; TE with cuDNN >= 9.6: Stats [T, h, 1]), against the
+   planning stand-ins. Their arithmetic is checked on CPU in tests/test_kernels.py; none of it has run on a GPU.
+   torch 2.13's meta function for aten._efficient_attention_backward lacks the `out` argument of the op's schema
+   (it cannot be called with the schema's arguments), so under fake tensors that one call is checked argument by
+   argument against the op's schema instead and allocated as its meta function allocates.
 """
 
 from __future__ import annotations
@@ -82,25 +94,29 @@ def _inputs(device, s, b=1, fused=True):
                torch.empty(G * d, D, **mk).requires_grad_()), None, None, rope
 
 
-def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False, qk_extras=False):
+def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False, qk_extras=False, cu_seqlens=None):
     """Run the op forward and its backward function; (problems, tracked peak or None). qk_extras (with fused):
-    QKV bias and QK-norm as well."""
+    QKV bias and QK-norm as well; cu_seqlens: packed documents."""
     from megatron_upipe.attention import api
     from megatron_upipe.memory.tracker import PeakMemoryTracker
 
     s = N // C
     x, (wq, wk, wv), w_o, norm_w, rope = _inputs(device, s, fused=fused)
     extras = _qk_extras(device) if qk_extras else {}
+    if cu_seqlens is not None:
+        extras_kw = dict(cu_seqlens=cu_seqlens)
+    else:
+        extras_kw = {}
     problems = []
 
     def run():
         if fused:
             kw = dict(cp_group=group, rotary_pos_emb=rope, kernel=kernel, grad_accum=grad_accum, w_o=w_o, norm_w=norm_w,
-                      **extras)
+                      **extras, **extras_kw)
             out = (api.ulysses_attention_grouped(x, wq, wk, wv, **kw) if strategy == "ulysses" else
                    api.upipe_attention_grouped(x, wq, wk, wv, heads_per_stage=U, **kw))
         else:
-            kw = dict(num_heads=H, num_kv_heads=G, cp_group=group, rotary_pos_emb=rope, kernel=kernel)
+            kw = dict(num_heads=H, num_kv_heads=G, cp_group=group, rotary_pos_emb=rope, kernel=kernel, **extras_kw)
             out = (api.ulysses_attention(x, wq, wk, wv, **kw) if strategy == "ulysses" else
                    api.upipe_attention(x, wq, wk, wv, heads_per_stage=U, **kw))
         want = (s, 1, D) if fused else (s, 1, H * d)
@@ -147,19 +163,11 @@ def _kernel_contract(name, device_cpu_plan):
     their contract and vs the planning stand-in on fake CPU tensors."""
     from megatron_upipe.attention.kernels import KERNELS, kernel_backward, kernel_forward, planning_kernel
 
-    b, m, n_kv, w = 1, 2, 2, 1
+    b, m = 1, 2
     problems = []
-
-    def views(device):
-        q_head = torch.empty(N, b, m, d, device=device, dtype=torch.bfloat16)  # all-to-all result [N, b, m, d]
-        k_head = torch.empty(N, b, n_kv, d, device=device, dtype=torch.bfloat16)  # resident KV heads of a round
-        v_head = torch.empty(N, b, n_kv, d, device=device, dtype=torch.bfloat16)
-        do_head = torch.empty(N, b, m, d, device=device, dtype=torch.bfloat16)
-        return [t.permute(1, 2, 0, 3) for t in (q_head, k_head[:, :, :w], v_head[:, :, :w], do_head)]
-
     results = {}
     for label, kernel, device in (("gpu", KERNELS[name], "cuda"), ("plan", planning_kernel(name), "cpu")):
-        q, k, v, do = views(device)
+        q, k, v, do = _stage_views(device)
         out, lse, aux = kernel_forward(kernel, q, k, v, True, d ** -0.5)
         dq, dk, dv = kernel_backward(kernel, do, q, k, v, out, lse, aux, True, d ** -0.5)
         results[label] = [_layout(t) for t in (out, lse, dq, dk, dv)]
@@ -174,6 +182,183 @@ def _kernel_contract(name, device_cpu_plan):
     if results["gpu"] != results["plan"]:
         problems.append(f"{name}: planning stand-in {results['plan']} != kernel's meta outputs {results['gpu']}")
     return problems
+
+
+def _stage_views(device, b=1, m=2, n_kv=2, w=1):
+    """q, k, v, dout of one UPipe stage's kernel call as [b, h, N, d] views (U = 16 over C = 8: m = 2 query heads,
+    w = 1 KV head per call, sliced from a 2-head buffer: a stricter layout than the schedule makes)."""
+    q_head = torch.empty(N, b, m, d, device=device, dtype=torch.bfloat16)  # all-to-all result [N, b, m, d]
+    k_head = torch.empty(N, b, n_kv, d, device=device, dtype=torch.bfloat16)  # resident KV heads of a round
+    v_head = torch.empty(N, b, n_kv, d, device=device, dtype=torch.bfloat16)
+    do_head = torch.empty(N, b, m, d, device=device, dtype=torch.bfloat16)
+    return [t.permute(1, 2, 0, 3) for t in (q_head, k_head[:, :, :w], v_head[:, :, :w], do_head)]
+
+
+# ------------------------------------------------------------------------------------ packed documents
+def _doc_bounds(seed: int = 0) -> torch.Tensor:
+    """cu_seqlens (int32, a real CPU tensor) of N tokens: a 1-token document, then documents of 1 to 64K tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1]
+    while sum(lengths) < N:
+        lengths.append(min(int(torch.randint(1, 1 << 16, (1,), generator=gen)), N - sum(lengths)))
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+
+VARLEN_LSE = {"sdpa_flash": lambda docs, h: (h, N), "flash_attn": lambda docs, h: (h, N),
+              "sdpa_efficient": lambda docs, h: (docs.count, h, -(-docs.max_len // 32) * 32),
+              "te_fused": lambda docs, h: (N, h, 1)}
+
+
+def _varlen_kernel_contract(name, cu):
+    """One stage's varlen kernel call (fake CUDA) vs its contract and vs the planning stand-in (fake CPU)."""
+    from megatron_upipe.attention.kernels import KERNELS, kernel_backward, kernel_forward, planning_kernel
+    from megatron_upipe.attention.varlen import documents
+
+    problems, results = [], {}
+    for label, kernel, device in (("gpu", KERNELS[name], "cuda"), ("plan", planning_kernel(name), "cpu")):
+        docs = documents(cu, N, 1, torch.device(device))
+        q, k, v, do = _stage_views(device)
+        out, lse, aux = kernel_forward(kernel, q, k, v, True, d ** -0.5, docs=docs)
+        dq, dk, dv = kernel_backward(kernel, do, q, k, v, out, lse, aux, True, d ** -0.5, docs=docs)
+        results[label] = [_layout(t) for t in (out, lse, dq, dk, dv)]
+        if label == "gpu":
+            checks = [("out", out, q.shape, torch.bfloat16), ("lse", lse, VARLEN_LSE[name](docs, q.shape[1]),
+                                                               torch.float32),
+                      ("dq", dq, q.shape, torch.bfloat16), ("dk", dk, k.shape, torch.bfloat16),
+                      ("dv", dv, v.shape, torch.bfloat16)]
+            for what, t, shape, dtype in checks:
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device.type != "cuda":
+                    problems.append(f"{name} varlen {what}: {_layout(t)} on {t.device}; want {tuple(shape)} {dtype}")
+    if results["gpu"] != results["plan"]:
+        problems.append(f"{name} varlen: planning stand-in {results['plan']} != kernel's outputs {results['gpu']}")
+    return problems
+
+
+class _SysModules:  # tests.test_kernels' installers take a monkeypatch; this process is thrown away afterwards
+    @staticmethod
+    def setitem(mapping, key, value):
+        mapping[key] = value
+
+
+def _allocating(signature_of, body):
+    """A stand-in with `signature_of`'s exact signature (inspect follows __wrapped__) whose body only allocates."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(signature_of)
+
+    @functools.wraps(signature_of)
+    def stand_in(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return body(bound.arguments)
+    return stand_in
+
+
+def _install_allocating_libraries():
+    """flash-attn 2.6.3 and TE 2.18 stand-ins (signatures from tests/test_kernels.py) that allocate what those
+    releases allocate: flash-attn's fake/meta shapes, TE's thd outputs with cuDNN >= 9.6 (Stats [T, h, 1])."""
+    from megatron_upipe.attention import kernel_libraries as libs
+    from tests import test_kernels as tk
+
+    def f32(*shape, like):
+        return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+    def rng(like):
+        return torch.empty(2, dtype=torch.int64, device=like.device)
+
+    def fa_fwd(a):  # [b, N, h, d]
+        q = a["q"]
+        out = torch.empty_like(q)
+        return out, q, a["k"], a["v"], out, f32(q.shape[0], q.shape[2], q.shape[1], like=q), None, rng(q)
+
+    def fa_varlen_fwd(a):  # [T, h, d]
+        q = a["q"]
+        out = torch.empty_like(q)
+        return out, q, a["k"], a["v"], out, f32(q.shape[1], q.shape[0], like=q), None, rng(q)
+
+    def fa_bwd(a):  # writes dq, dk, dv
+        return a["dq"], a["dk"], a["dv"], None
+
+    def te_fwd(a):  # thd only here
+        q = a["q"]
+        assert a["qkv_layout"] == "thd_thd_thd" and q.is_contiguous()
+        return torch.empty_like(q), [f32(q.shape[0], q.shape[1], 1, like=q), rng(q)]
+
+    def te_bwd(a):
+        return [torch.empty_like(a[n]) for n in ("q", "k", "v")] + [None, None]
+
+    tk._install(_SysModules, {
+        "flash_attn": {"__version__": "2.6.3", "__path__": []},
+        "flash_attn.flash_attn_interface": {
+            "_flash_attn_forward": _allocating(tk._fa26_forward, fa_fwd),
+            "_flash_attn_backward": _allocating(tk._fa26_backward, fa_bwd),
+            "_flash_attn_varlen_forward": _allocating(tk._fa26_varlen_forward, fa_varlen_fwd),
+            "_flash_attn_varlen_backward": _allocating(tk._fa26_varlen_backward, fa_bwd)}})
+    tk._install_te(_SysModules, "2.18.0", _allocating(tk._te218_fwd, te_fwd), _allocating(tk._te218_bwd, te_bwd))
+    libs.flash_attn_api.cache_clear()
+    libs.te_api.cache_clear()
+    libs.te_fused_backend.cache_clear()
+
+
+class _SchemaCheckedAten:
+    """torch.ops.aten, except that _efficient_attention_backward's arguments are checked against the op's schema
+    (count, order, types, keyword names) and its outputs allocated like its meta function (see the module doc)."""
+
+    def __init__(self, problems: list):
+        self.problems = problems
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+        return self._efficient_backward if name == "_efficient_attention_backward" else op
+
+    def _efficient_backward(self, *args, **kwargs):
+        schema = torch.ops.aten._efficient_attention_backward.default._schema
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        keywords = {a.name for a in schema.arguments if a.kwarg_only}
+        if len(args) != len(positional) or not set(kwargs) <= keywords:
+            self.problems.append(f"efficient backward: {len(args)} positional for {len(positional)}, kw {set(kwargs)}")
+        for arg, value in zip(positional, args):
+            kind = str(arg.type)
+            ok = {"Tensor": isinstance(value, torch.Tensor),
+                  "Optional[Tensor]": value is None or isinstance(value, torch.Tensor),
+                  "SymInt": isinstance(value, int), "int": isinstance(value, int), "float": isinstance(value, float),
+                  "bool": isinstance(value, bool)}.get(kind, False)
+            if not ok:
+                self.problems.append(f"efficient backward: {arg.name} ({kind}) got {type(value).__name__}")
+        q, k, v = args[1:4]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty((), device=q.device)
+
+
+def _varlen_contracts(names, group, cu):
+    """Section 5 of the module docstring (inside FakeTensorMode, on the fake process group); cu: `_doc_bounds()`,
+    made outside the mode (the op reads its values)."""
+    from megatron_upipe.attention import varlen_kernels
+    from megatron_upipe.attention.kernels import KERNELS, planning_kernel
+
+    op_cases, kernel_problems, peaks = [], {}, {}
+    schema_problems: list[str] = []
+    varlen_kernels._aten = _SchemaCheckedAten(schema_problems)
+    for name in [n for n in names if n in ("sdpa_flash", "sdpa_efficient")]:
+        for strategy, U in (("upipe", 8), ("upipe", 16), ("ulysses", None)):
+            problems, _ = _op_outputs(name, strategy, U, "fp32", True, "cuda", group, qk_extras=True, cu_seqlens=cu)
+            op_cases.append(((name, strategy, U, "grouped+w_o+norm+qkv_bias+qk_norm+cu_seqlens"), problems))
+            problems, _ = _op_outputs(name, strategy, U, "fp32", False, "cuda", group, cu_seqlens=cu)
+            op_cases.append(((name, strategy, U, "natural+cu_seqlens"), problems))
+        kernel_problems[name] = _varlen_kernel_contract(name, cu)
+        for strategy, U in (("upipe", 16), ("ulysses", None)):
+            _, gpu = _op_outputs(name, strategy, U, "fp32", True, "cuda", group, track=True, cu_seqlens=cu)
+            _, plan = _op_outputs(planning_kernel(name), strategy, U, "fp32", True, "cpu", group, track=True,
+                                  cu_seqlens=cu)
+            peaks[(name, strategy)] = (gpu, plan)
+    real_libraries = {n: KERNELS[n].library() for n in ("flash_attn", "te_fused")}
+    if all(isinstance(api, str) and "not installed" in api for api in real_libraries.values()):
+        _install_allocating_libraries()
+        for name in ("flash_attn", "te_fused"):
+            kernel_problems[name] = _varlen_kernel_contract(name, cu)
+    varlen_kernels._aten = torch.ops.aten
+    kernel_problems["efficient backward vs schema"] = sorted(set(schema_problems))
+    return dict(op_cases=op_cases, kernel_problems=kernel_problems, peaks=peaks, docs=len(cu) - 1)
 
 
 def _model_vs_stand_ins():
@@ -225,6 +410,7 @@ def _all_contracts(rank, world_size):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=C)
     names, skipped = _fake_kernels()
     op_cases, kernel_problems, peaks = [], {}, {}
+    cu = _doc_bounds()
     with FakeTensorMode(allow_non_fake_inputs=True):
         for name in names:
             for strategy, U in (("upipe", 8), ("upipe", 16), ("ulysses", None)):
@@ -241,9 +427,10 @@ def _all_contracts(rank, world_size):
                 _, plan_peak = _op_outputs(planning_kernel(name), strategy, U, "fp32", True, "cpu", dist.group.WORLD,
                                            track=True)
                 peaks[(name, strategy)] = (gpu_peak, plan_peak)
+        varlen = _varlen_contracts(names, dist.group.WORLD, cu)
     dist.destroy_process_group()
     return dict(names=names, skipped=skipped, op_cases=op_cases, kernel_problems=kernel_problems, peaks=peaks,
-                model_rows=_model_vs_stand_ins())
+                model_rows=_model_vs_stand_ins(), varlen=varlen)
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +467,19 @@ def test_memory_model_counts_the_expansion_of_kernels_without_native_gqa(contrac
         if name == "sdpa_efficient" and tracked > 1.01 * native_est:
             expanded_more += 1  # the native-GQA model would miss this peak by more than 1%
     assert expanded_more >= 2, rows
+
+
+def test_packed_documents_keep_the_contracts(contracts):
+    """Section 5: the op with cu_seqlens on fake CUDA (sdpa_flash, sdpa_efficient), every varlen kernel call (and
+    flash-attn's and TE's bindings through allocating stand-ins) against its planning stand-in, tracked peaks."""
+    varlen = contracts["varlen"]
+    assert varlen["docs"] > 10
+    assert len(varlen["op_cases"]) == 2 * 3 * 2, varlen["op_cases"]  # 2 kernels x 3 strategies x 2 variants
+    bad = [(case, p) for case, p in varlen["op_cases"] if p]
+    assert not bad, bad
+    assert {"sdpa_flash", "sdpa_efficient", "flash_attn", "te_fused"} <= set(varlen["kernel_problems"])
+    bad = {name: p for name, p in varlen["kernel_problems"].items() if p}
+    assert not bad, bad
+    assert len(varlen["peaks"]) == 4
+    for (name, strategy), (gpu, plan) in varlen["peaks"].items():
+        assert gpu > 0 and abs(gpu - plan) <= 4096, (name, strategy, gpu, plan)

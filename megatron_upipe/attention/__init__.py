@@ -3,8 +3,10 @@
 Pure torch + torch.distributed; this package never imports training code. Modules, in import order:
 schedule (which heads go where per stage; pure Python), comm (all-to-all resharding), rope, norm_tiles (the RMSNorm
 tile math of the fused input norm, also used by models/tiled_norm.py), qk_norm (the per-head q/k RMSNorm: Qwen3's
-QK-norm), kernels (local attention with an explicit backward), upipe (the stage loop for UPipe and, with one stage,
-Ulysses), api (checked public functions), reference (float64 full attention for tests and benchmarks).
+QK-norm), varlen (packed documents: cu_seqlens checked and normalised, the CPU variable-length kernel),
+kernel_libraries and varlen_kernels (flash-attn / TransformerEngine bindings; the CUDA kernels' cu_seqlens calls),
+kernels (local attention with an explicit backward), upipe (the stage loop for UPipe and, with one stage, Ulysses),
+api (checked public functions), reference (float64 full attention for tests and benchmarks).
 
 Names are imported lazily so that `megatron_upipe.attention.schedule` (used by config validation and the
 memory planner) does not pull in torch.

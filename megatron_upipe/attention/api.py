@@ -5,6 +5,14 @@ counts, the group size), so a bad call raises the same ValueError on every rank 
 
 Legend: s local tokens (rank r of cp_group holds global tokens [r·s, (r+1)·s)), N = C·s, b batch, D model dim,
 H query heads, G KV heads, g = H / G, d head dim.
+
+Packed sequences: every function takes `cu_seqlens`, int32 [n_docs + 1] = (0, l1, l1+l2, ..., N), the cumulative
+document lengths of the GLOBAL sequence (the same tensor on every CP rank; on the CPU, or on x's device at the cost
+of a device sync, since the op reads the boundaries on the host), with micro-batch b = 1. Attention is then causal
+(causal=False: full) inside each document only; documents may straddle CP shards; empty documents are allowed (they
+hold no token). One document ([0, N]) is plain attention and gives the fixed-length results bit for bit. RoPE is
+unchanged: pass the angles of the positions you want (with position ids reset per document, per-document
+positions), as [N, 1, 1, rot] or this rank's rows [s, 1, 1, rot]; each row's angle is applied to its token.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from .kernels import select_kernel, stage_call
 from .rope import rope_cos_sin
 from .schedule import make_schedule
 from .upipe import StageOp, UPipeFunction
+from .varlen import documents
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -84,7 +93,7 @@ def _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps) -> 
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
              ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
              norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-             qk_norm_eps: float = 1e-6):
+             qk_norm_eps: float = 1e-6, cu_seqlens=None):
     if norm_tile_rows < 1:
         raise ValueError(f"norm_tile_rows={norm_tile_rows} must be positive")
     if grad_accum not in ("fp32", "input"):
@@ -104,12 +113,14 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
     _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps)
     G, g, d = w_q.shape[0], w_q.shape[1], w_q.shape[2]
     schedule = make_schedule(G * g, G, C, G * g if ulysses else heads_per_stage)
-    chosen = select_kernel(x.device, x.dtype, d, kernel, call=stage_call(schedule, x.shape[1], x.shape[0] * C, causal))
+    docs = None if cu_seqlens is None else documents(cu_seqlens, x.shape[0] * C, x.shape[1], x.device)
+    chosen = select_kernel(x.device, x.dtype, d, kernel,
+                           call=stage_call(schedule, x.shape[1], x.shape[0] * C, causal, docs))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
                  accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows,
-                 qk_norm_eps=float(qk_norm_eps))
+                 qk_norm_eps=float(qk_norm_eps), docs=docs)
     if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
         rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
     rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)  # [s, rot/2] each
@@ -120,7 +131,7 @@ def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
     norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
@@ -138,12 +149,12 @@ def upipe_attention_grouped(
     [d] (both or none, eps qk_norm_eps): QK-norm (Qwen3's q_norm / k_norm, megatron-core's qk_layernorm), an
     RMSNorm over the head dim of every q and k head after the projection (+ bias) and before RoPE, HF's formula.
     All of them are applied stage by stage to the stage's heads only; gradients flow to each of them.
-    See `upipe_attention` for the others.
+    See `upipe_attention` for the others (cu_seqlens: packed documents, see the module docstring).
     """
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
                         norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
-                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps)
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens)
     cos, sin = rope if rope is not None else (None, None)
     return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
@@ -151,7 +162,7 @@ def upipe_attention_grouped(
 def ulysses_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
     grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5, norm_tile_rows: int = 32768,
-    b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6,
+    b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6, cu_seqlens=None,
 ):
     """Plain Ulysses with grouped weights (see `upipe_attention_grouped`): one stage of all H heads whose q, k, v
     and out stay in head layout for backward, as DeepSpeed's DistributedAttention over flash attention keeps them.
@@ -160,7 +171,7 @@ def ulysses_attention_grouped(
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
                         norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
-                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps)
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens)
     cos, sin = rope if rope is not None else (None, None)
     return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
@@ -202,7 +213,7 @@ def _group_biases(w_q, b_q, b_k, b_v, num_heads: int, num_kv_heads: int):
 def upipe_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True,
     softmax_scale=None, kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None,
 ):
     """UPipe attention of this rank's tokens.
 
@@ -214,6 +225,8 @@ def upipe_attention(
     softmax_scale defaults to 1/sqrt(d). kernel: a name from `kernels.KERNELS` or None for automatic choice.
     b_q [H·d], b_k, b_v [G·d] (all three or none): QKV projection biases, natural head order. q_norm_w, k_norm_w
     [d] (both or none): QK-norm weights, eps qk_norm_eps (see `upipe_attention_grouped`).
+    cu_seqlens: int32 [n_docs + 1] cumulative document lengths of the global packed sequence (b must be 1):
+    attention inside each document only (module docstring).
     Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
     Differentiable with respect to x, w_q, w_k, w_v and the biases and QK-norm weights given.
     """
@@ -222,13 +235,14 @@ def upipe_attention(
     return upipe_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, heads_per_stage=heads_per_stage, rotary_pos_emb=rotary_pos_emb,
         causal=causal, softmax_scale=softmax_scale, kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w,
-        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps,
+        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens,
     )
 
 
 def ulysses_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6,
+    cu_seqlens=None,
 ):
     """Plain Ulysses baseline; same arguments and result as `upipe_attention` without heads_per_stage."""
     gq, gk, gv = _group_weights(x, w_q, w_k, w_v, num_heads, num_kv_heads)
@@ -236,4 +250,5 @@ def ulysses_attention(
     return ulysses_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, rotary_pos_emb=rotary_pos_emb, causal=causal, softmax_scale=softmax_scale,
         kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w, k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps,
+        cu_seqlens=cu_seqlens,
     )

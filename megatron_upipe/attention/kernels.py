@@ -23,6 +23,12 @@ whose device, dtype and head dim fit, whose library imports with a known signatu
 own check accepts the call's shape) and logs the choice and each fallback's reason once.
 `planning_kernel(name)` is the planner's CPU stand-in for a GPU kernel: it allocates what that kernel allocates
 (tests/test_cuda_contracts.py checks it against the kernels' meta functions on fake CUDA tensors).
+
+Packed documents (cu_seqlens, varlen.py): `kernel_forward` / `kernel_backward` with `docs` call a kernel's
+`varlen_fwd(q, k, v, docs, causal, scale)` / `varlen_bwd(dout, q, k, v, out, lse, aux, docs, causal, scale)`, same
+layouts (b = 1): cpu_flash per group of equal-length documents (varlen.py), the CUDA kernels through their varlen
+entry points (varlen_kernels.py; sdpa_cudnn has none). A `KernelCall` with `varlen` set makes selection skip, with
+the reason logged, every kernel without a usable varlen path.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Any, Callable
 import torch
 
 from . import kernel_libraries as libs
+from . import varlen_kernels as vk
+from .varlen import cpu_varlen_backward, cpu_varlen_forward
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ class KernelCall:
     kv_heads: int  # per call, before any expansion
     seq_len: int  # N
     causal: bool = True
+    varlen: tuple[int, int] | None = None  # packed documents (cu_seqlens): (their count, the longest's length)
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,12 @@ class AttentionKernel:
     bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     library: Callable[[], Any] | None = None  # the library's API, or a str: why it cannot be used
     shape_check: Callable[[KernelCall, torch.dtype, int], str | None] | None = None
+    # packed documents: the calls (None: no varlen path, for the reason `no_varlen`) and, for a library, why its
+    # installed version's varlen entry points cannot be used (None: they can)
+    varlen_fwd: Callable[..., tuple[torch.Tensor, torch.Tensor, Any]] | None = None
+    varlen_bwd: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    varlen_library: Callable[[], str | None] | None = None
+    no_varlen: str = ""
 
     def unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int,
                            call: KernelCall | None = None) -> str | None:
@@ -80,6 +95,12 @@ class AttentionKernel:
         api = self.library() if self.library is not None else None
         if isinstance(api, str):
             return f"kernel {self.name!r} is unavailable: {api}"
+        if call is not None and call.varlen is not None:
+            if self.varlen_fwd is None:
+                return f"kernel {self.name!r} has no variable-length (cu_seqlens) path: {self.no_varlen}"
+            why = self.varlen_library() if self.varlen_library is not None else None
+            if why:
+                return f"kernel {self.name!r} cannot take cu_seqlens: {why}"
         if call is not None and self.shape_check is not None:
             return self.shape_check(call, dtype, head_dim)
         return None
@@ -170,8 +191,18 @@ def _te_bwd(dout, q, k, v, out, lse, aux, causal, scale):
 
 def _te_shape_check(call: KernelCall, dtype: torch.dtype, head_dim: int) -> str | None:
     api = libs.te_api()
+    if call.varlen is not None:  # packed documents (thd): their count and the longest document
+        return libs.te_fused_backend(api, call.varlen[0], call.q_heads, call.kv_heads, call.varlen[1], head_dim,
+                                     call.causal, dtype, thd=True)[1]
     return libs.te_fused_backend(api, call.batch, call.q_heads, call.kv_heads, call.seq_len, head_dim, call.causal,
                                  dtype)[1]
+
+
+def _varlen(name: str) -> dict[str, Any]:
+    """The varlen fields of kernel `name`'s AttentionKernel."""
+    fwd, bwd = vk.VARLEN.get(name, (None, None))
+    return dict(varlen_fwd=fwd, varlen_bwd=bwd, no_varlen=vk.NO_VARLEN.get(name, ""),
+                varlen_library=vk.flash_attn_varlen_reason if name == "flash_attn" else None)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -179,22 +210,29 @@ KERNELS: dict[str, AttentionKernel] = {
     k.name: k
     for k in (
         AttentionKernel("cpu_flash", "cpu", (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-                        1 << 30, 1, True, _cpu_fwd, _cpu_bwd),
-        AttentionKernel("te_fused", "cuda", _HALF, 256, 8, True, _te_fwd, _te_bwd, libs.te_api, _te_shape_check),
-        AttentionKernel("flash_attn", "cuda", _HALF, 256, 8, True, _fa_fwd, _fa_bwd, libs.flash_attn_api),
-        AttentionKernel("sdpa_flash", "cuda", _HALF, 256, 8, True, _sdpa_flash_fwd, _sdpa_flash_bwd),
-        AttentionKernel("sdpa_cudnn", "cuda", _HALF, 128, 8, True, _sdpa_cudnn_fwd, _sdpa_cudnn_bwd),
-        AttentionKernel("sdpa_efficient", "cuda", _HALF + (torch.float32,), 512, 8, False, _sdpa_eff_fwd, _sdpa_eff_bwd),
+                        1 << 30, 1, True, _cpu_fwd, _cpu_bwd, varlen_fwd=cpu_varlen_forward,
+                        varlen_bwd=cpu_varlen_backward),
+        AttentionKernel("te_fused", "cuda", _HALF, 256, 8, True, _te_fwd, _te_bwd, libs.te_api, _te_shape_check,
+                        **_varlen("te_fused")),
+        AttentionKernel("flash_attn", "cuda", _HALF, 256, 8, True, _fa_fwd, _fa_bwd, libs.flash_attn_api,
+                        **_varlen("flash_attn")),
+        AttentionKernel("sdpa_flash", "cuda", _HALF, 256, 8, True, _sdpa_flash_fwd, _sdpa_flash_bwd,
+                        **_varlen("sdpa_flash")),
+        AttentionKernel("sdpa_cudnn", "cuda", _HALF, 128, 8, True, _sdpa_cudnn_fwd, _sdpa_cudnn_bwd,
+                        **_varlen("sdpa_cudnn")),
+        AttentionKernel("sdpa_efficient", "cuda", _HALF + (torch.float32,), 512, 8, False, _sdpa_eff_fwd, _sdpa_eff_bwd,
+                        **_varlen("sdpa_efficient")),
     )
 }
 AUTO_ORDER = ("te_fused", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash")
 
 
-def stage_call(schedule, batch: int, seq_len: int, causal: bool) -> KernelCall:
+def stage_call(schedule, batch: int, seq_len: int, causal: bool, docs=None) -> KernelCall:
     """The kernel call of one stage of a UPipe schedule (attention/schedule.py): m query heads over the stage's
-    KV slots, on all N tokens."""
+    KV slots, on all N tokens (packed documents: `docs`, a varlen.Documents, or None)."""
     a0, a1 = schedule.stages[0].kv_slots
-    return KernelCall(batch, schedule.q_per_rank, a1 - a0, seq_len, causal)
+    varlen = None if docs is None else (docs.count, docs.max_len)
+    return KernelCall(batch, schedule.q_per_rank, a1 - a0, seq_len, causal, varlen)
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, name: str | AttentionKernel | None = None,
@@ -239,23 +277,38 @@ def _expand(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t.repeat_interleave(rep, dim=1)  # [b, hkv, N, d] -> [b, hkv·rep, N, d]
 
 
-def kernel_forward(kernel: AttentionKernel, q, k, v, causal: bool, scale: float):
-    """(out, lse, aux) for q [b, hq, N, d], k/v [b, hkv, N, d]; expands K/V for kernels without native GQA."""
+def _varlen_call(kernel: AttentionKernel, docs, which: str):
+    """The kernel's fixed-length call (docs None) or its varlen call with docs bound."""
+    if docs is None:
+        return getattr(kernel, which)
+    call = getattr(kernel, f"varlen_{which}")
+    if call is None:
+        raise ValueError(f"kernel {kernel.name!r} has no variable-length (cu_seqlens) path: {kernel.no_varlen}")
+    if which == "fwd":
+        return lambda q, k, v, causal, scale: call(q, k, v, docs, causal, scale)
+    return lambda dout, q, k, v, out, lse, aux, causal, scale: call(dout, q, k, v, out, lse, aux, docs, causal, scale)
+
+
+def kernel_forward(kernel: AttentionKernel, q, k, v, causal: bool, scale: float, docs=None):
+    """(out, lse, aux) for q [b, hq, N, d], k/v [b, hkv, N, d]; expands K/V for kernels without native GQA. With
+    docs (varlen.Documents; b = 1) attention stays inside each packed document."""
+    fwd = _varlen_call(kernel, docs, "fwd")
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and not kernel.native_gqa:
-        return kernel.fwd(q, _expand(k, rep), _expand(v, rep), causal, scale)
-    return kernel.fwd(q, k, v, causal, scale)
+        return fwd(q, _expand(k, rep), _expand(v, rep), causal, scale)
+    return fwd(q, k, v, causal, scale)
 
 
-def kernel_backward(kernel: AttentionKernel, dout, q, k, v, out, lse, aux, causal: bool, scale: float):
+def kernel_backward(kernel: AttentionKernel, dout, q, k, v, out, lse, aux, causal: bool, scale: float, docs=None):
     """(dq, dk, dv) with dk/dv shaped like k/v [b, hkv, N, d]. Without native GQA the expanded K/V die before the
     expanded dK/dV are summed back: the peak is 2 expanded inputs + 2 expanded gradients at the kernel's end."""
+    bwd = _varlen_call(kernel, docs, "bwd")
     b, hkv, n, d = k.shape
     rep = q.shape[1] // hkv
     if rep == 1 or kernel.native_gqa:
-        return kernel.bwd(dout, q, k, v, out, lse, aux, causal, scale)
+        return bwd(dout, q, k, v, out, lse, aux, causal, scale)
     ke, ve = _expand(k, rep), _expand(v, rep)
-    dq, dk, dv = kernel.bwd(dout, q, ke, ve, out, lse, aux, causal, scale)
+    dq, dk, dv = bwd(dout, q, ke, ve, out, lse, aux, causal, scale)
     del ke, ve
     dk = dk.view(b, hkv, rep, n, d).sum(2)  # [b, hkv·rep, N, d] -> [b, hkv, N, d]
     dv = dv.view(b, hkv, rep, n, d).sum(2)
@@ -327,11 +380,14 @@ PLAN_AUTO_AS = "sdpa_flash"  # "auto" is planned as sdpa_flash: te_fused and fla
 
 def planning_kernel(name: str) -> AttentionKernel:
     """A CPU stand-in for GPU kernel `name` ("auto": PLAN_AUTO_AS) for the planner's fake-tensor step: the same
-    dtype, head-dim and GQA behaviour (K/V expansion included) as `name`, and fwd/bwd that allocate what it
-    allocates at this interface. Kernel-internal workspace is not included (the planner adds it)."""
+    dtype, head-dim and GQA behaviour (K/V expansion included) as `name`, and fwd/bwd (and, for packed documents,
+    varlen fwd/bwd: varlen_kernels.py) that allocate what it allocates at this interface. Kernel-internal workspace
+    is not included (the planner adds it)."""
     name = PLAN_AUTO_AS if name == "auto" else name
     if name not in _PLANS:
         raise ValueError(f"attention kernel {name!r} has no planning stand-in; plan one of {sorted(_PLANS)} or auto")
     fwd, bwd = _PLANS[name]
+    vfwd, vbwd = vk.VARLEN_PLANS.get(name, (None, None))
     return dataclasses.replace(KERNELS[name], name=f"{name} (planned)", device_type="cpu", fwd=fwd, bwd=bwd,
-                               library=None, shape_check=None)
+                               library=None, shape_check=None, varlen_fwd=vfwd, varlen_bwd=vbwd,
+                               varlen_library=None)

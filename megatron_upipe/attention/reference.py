@@ -2,7 +2,8 @@
 
 Used by the tests and by tools/bench_attention.py to check the distributed ops. Explicit softmax over the full
 [N, N] score matrix, GQA by repeating KV heads, megatron-core's rotate-half RoPE; optional QKV biases and QK-norm
-(RMSNorm over the head dim before RoPE, as HF Qwen3), also in float64.
+(RMSNorm over the head dim before RoPE, as HF Qwen3), also in float64; optional packed documents (cu_seqlens): a
+block-diagonal mask over the full [N, N] scores, built from each token's document id.
 Legend: N global tokens, b batch, D model dim, H / G query / KV heads, d head dim.
 """
 
@@ -34,10 +35,13 @@ def _rms_heads(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def reference_attention(x, w_q, w_k, w_v, num_heads, num_kv_heads, rotary_pos_emb=None, causal=True, softmax_scale=None,
-                        b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps=1e-6):
+                        b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps=1e-6,
+                        cu_seqlens=None):
     """x [N, b, D] (the whole sequence), natural-order weights -> [N, b, H·d], computed in float64.
 
-    b_q [H·d], b_k, b_v [G·d]: projection biases (natural order); q_norm_w, k_norm_w [d]: QK-norm weights."""
+    b_q [H·d], b_k, b_v [G·d]: projection biases (natural order); q_norm_w, k_norm_w [d]: QK-norm weights.
+    cu_seqlens [n + 1] (0, ..., N): token i attends to token j only if both are in the same document (and, causal,
+    j <= i)."""
     x, w_q, w_k, w_v = (t.double() for t in (x, w_q, w_k, w_v))
     N, b, _ = x.shape
     H, G = num_heads, num_kv_heads
@@ -53,8 +57,14 @@ def reference_attention(x, w_q, w_k, w_v, num_heads, num_kv_heads, rotary_pos_em
     k, v = k.repeat_interleave(H // G, dim=2), v.repeat_interleave(H // G, dim=2)  # [N, b, H, d]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     scores = torch.einsum("ibhd,jbhd->bhij", q, k) * scale  # [b, H, N, N]
+    hidden = torch.zeros(N, N, dtype=torch.bool)  # [N, N] True: masked out
     if causal:
-        mask = torch.ones(N, N, dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        hidden |= torch.ones(N, N, dtype=torch.bool).triu(1)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.cpu().long()
+        doc = torch.repeat_interleave(torch.arange(bounds.numel() - 1), bounds.diff())  # [N] document of each token
+        hidden |= doc[:, None] != doc[None, :]
+    if hidden.any():
+        scores = scores.masked_fill(hidden, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     return torch.einsum("bhij,jbhd->ibhd", p, v).reshape(N, b, H * d)  # [N, b, H·d]

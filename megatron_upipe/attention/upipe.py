@@ -44,6 +44,11 @@ With the output projection W_O [D, H·d] passed in (`w_o`), the op returns out @
 never builds dout [s, b, H·d] whole: each stage's dout rows are dy @ W_O[:, stage heads], written straight into the
 all-to-all send buffer, and dW_O = dy^T @ out is one GEMM (out is saved anyway).
 
+Packed documents (cu_seqlens, varlen.py; b = 1): after the seq->head all-to-all every rank holds all N tokens of
+its heads, so the only change is the kernel call: every stage's forward and backward kernel gets the global document
+boundaries (op.docs) and attends inside each document. Projections, RoPE (per-token angles, whatever positions the
+caller chose), all-to-alls and the backward are exactly the fixed-length ones.
+
 Plain Ulysses is the same code with one stage of all H heads and `save_heads=True`: q, k, v and out stay alive
 in head layout from forward to backward (what autograd over DeepSpeed's DistributedAttention + flash attention
 keeps), so the baseline and UPipe differ only in what they keep, never in how they compute.
@@ -63,6 +68,7 @@ from .norm_tiles import rms_tile, rms_tile_backward, rms_tile_rstd
 from .qk_norm import head_norm, head_norm_backward, head_rstd
 from .rope import rotate_into
 from .schedule import UPipeSchedule
+from .varlen import Documents
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class StageOp:
     norm_eps: float = 1e-5  # of the fused input RMSNorm, when its weight is passed
     norm_tile_rows: int = 32768  # rows of RMSNorm(x) regenerated at a time (float32 temporaries [T, D])
     qk_norm_eps: float = 1e-6  # of the per-head q/k RMSNorm (QK-norm), when its weights are passed
+    docs: Documents | None = None  # packed documents (cu_seqlens): attention inside each; None: one sequence
 
 
 def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
@@ -289,7 +296,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b
         a0, a1 = st.kv_slots
         o, lse, aux = kernel_forward(
             op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
-            v_head[:, :, a0:a1].permute(1, 2, 0, 3), op.causal, op.scale,
+            v_head[:, :, a0:a1].permute(1, 2, 0, 3), op.causal, op.scale, docs=op.docs,
         )  # o [b, m, N, d]
         if op.save_heads:
             saved.append((q_head, k_head, v_head, o))
@@ -398,7 +405,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         dq, dk, dv = kernel_backward(
             op.kernel, do_head.permute(1, 2, 0, 3), q_head.permute(1, 2, 0, 3),
             k_head[:, :, a0:a1].permute(1, 2, 0, 3), v_head[:, :, a0:a1].permute(1, 2, 0, 3),
-            o_head.permute(1, 2, 0, 3), lses[idx], auxes[idx], op.causal, op.scale,
+            o_head.permute(1, 2, 0, 3), lses[idx], auxes[idx], op.causal, op.scale, docs=op.docs,
         )  # dq [b, m, N, d]; dk, dv [b, a1-a0, N, d]
         del q_head, o_head, do_head
         dk_acc[:, :, a0:a1] += dk.permute(2, 0, 1, 3)
@@ -478,7 +485,8 @@ class UPipeFunction(torch.autograd.Function):
     Every tensor backward needs goes through ctx.save_for_backward: the inputs, rstd, the output buffer, each
     stage's lse, the tensors inside the kernels' aux and, for Ulysses, the head-layout q, k, v, out. So saved-tensor
     hooks (activation offload) see them all and backward can run again with retain_graph=True; only non-tensor aux
-    (ints, the layout of the aux) stays on ctx. Backward then asks autograd to drop its references at once
+    (ints, the layout of the aux) stays on ctx, with ctx.op (whose packed-document boundaries, op.docs, are a
+few bytes of int32, not an activation). Backward then asks autograd to drop its references at once
     (ctx.maybe_clear_saved_tensors, a no-op when the graph is retained), so that Ulysses' head tensors still die
     stage by stage inside upipe_backward rather than at the end of the node."""
 

@@ -7,6 +7,10 @@ requested U) it
      and evaluates the closed-form model for the same shape;
   3. times forward + backward, interleaving the strategies round-robin in every repetition so machine noise
      hits them alike, and reports medians and ratios against Ulysses from that one run.
+With `doc_len` (CLI --docs) every strategy also runs on the same N tokens packed as documents of about doc_len
+tokens (lengths uniform in [doc_len/2, 3·doc_len/2], seeded; cu_seqlens), checked against the reference with the
+block-diagonal mask at the check length (documents of min(doc_len, check length / 8) tokens), measured and timed in
+the same round-robin, and reported next to the one causal sequence (time and peak ratios "docs / 1 seq").
 On gloo, tracked peaks can exceed the model by up to two all-to-all buffers now and then: gloo's worker thread
 drops its references to a collective's tensors asynchronously, so a buffer may outlive its last Python use for a
 moment (a real effect, not a tracker error; the model is validated on the fake process group in the tests).
@@ -45,12 +49,16 @@ class BenchConfig:
     check_seq_len: int = 256
     warmup: int = 1
     iters: int = 3
+    doc_len: int | None = None  # also run packed documents of about this many tokens (None: one sequence only)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("iters must be >= 1 and warmup >= 0")
+        if self.doc_len is not None and not 2 <= self.doc_len <= self.seq_len // 2:
+            raise ValueError(f"doc_len={self.doc_len} must be between 2 and seq_len / 2 = {self.seq_len // 2} "
+                             f"(documents of about doc_len tokens, at least two of them)")
 
     @property
     def model_dim(self) -> int:
@@ -67,6 +75,7 @@ class StrategyResult:
     model_peak_bytes: int
     cuda_peak_bytes: int | None
     times_s: list[float] = field(default_factory=list)
+    documents: int = 1  # 1: one causal sequence; more: packed documents (cu_seqlens)
 
     @property
     def median_s(self) -> float:
@@ -86,30 +95,43 @@ def _inputs(cfg: BenchConfig, N: int, seed: int, device, dtype):
     return [t.to(device=device, dtype=dtype) for t in (x, *ws, dout)]
 
 
-def _call(strategy, U, x, ws, cfg, group, freqs):
-    kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, cp_group=group, rotary_pos_emb=freqs)
+def documents(N: int, doc_len: int, seed: int = 0) -> torch.Tensor:
+    """cu_seqlens (int32, CPU) of N tokens in documents of uniformly random length in [doc_len/2, 3·doc_len/2]
+    (at least 1), the last one cut to fit."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = max(1, doc_len // 2), max(1, doc_len // 2) + doc_len
+    lengths: list[int] = []
+    while sum(lengths) < N:
+        lengths.append(min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), N - sum(lengths)))
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+
+def _call(strategy, U, x, ws, cfg, group, freqs, cu=None):
+    kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, cp_group=group, rotary_pos_emb=freqs,
+              cu_seqlens=cu)
     if strategy == "ulysses":
         return ulysses_attention(x, *ws, **kw)
     return upipe_attention(x, *ws, heads_per_stage=U, **kw)
 
 
-def _fwd_bwd(strategy, U, x, ws, dout, cfg, group, freqs):
-    out = _call(strategy, U, x, ws, cfg, group, freqs)
+def _fwd_bwd(strategy, U, x, ws, dout, cfg, group, freqs, cu=None):
+    out = _call(strategy, U, x, ws, cfg, group, freqs, cu)
     return out, torch.autograd.grad(out, [x, *ws], dout)
 
 
-def _check(strategy, U, cfg, group, rank, C, device, dtype) -> float:
+def _check(strategy, U, cfg, group, rank, C, device, dtype, with_docs: bool = False) -> float:
     N = cfg.check_seq_len
     s = N // C
+    cu = documents(N, max(2, min(cfg.doc_len, N // 8)), seed=1) if with_docs else None
     x, wq, wk, wv, dout = _inputs(cfg, N, 1, device, dtype)
     freqs = rope_angles(N, cfg.head_dim).to(device)
     ref_in = [t.detach().double().cpu().requires_grad_() for t in (x, wq, wk, wv)]
-    ref = reference_attention(*ref_in, cfg.num_heads, cfg.num_kv_heads, freqs.cpu())
+    ref = reference_attention(*ref_in, cfg.num_heads, cfg.num_kv_heads, freqs.cpu(), cu_seqlens=cu)
     ref_g = torch.autograd.grad(ref, ref_in, dout.double().cpu())
     sl = slice(rank * s, (rank + 1) * s)
     xs = x[sl].clone().requires_grad_()
     ws = [w.clone().requires_grad_() for w in (wq, wk, wv)]
-    out, grads = _fwd_bwd(strategy, U, xs, ws, dout[sl], cfg, group, freqs)
+    out, grads = _fwd_bwd(strategy, U, xs, ws, dout[sl], cfg, group, freqs, cu)
     dws = [g.clone() for g in grads[1:]]
     if group is not None:
         for g in dws:
@@ -131,6 +153,8 @@ def check(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
     by the CLI before it spawns any rank, and by every rank)."""
     if cfg.seq_len % C or cfg.check_seq_len % C:
         raise ValueError(f"seq_len={cfg.seq_len} and check_seq_len={cfg.check_seq_len} must be multiples of C={C}")
+    if cfg.doc_len is not None and cfg.batch != 1:
+        raise ValueError(f"packed documents (doc_len={cfg.doc_len}) need batch 1; got batch={cfg.batch}")
     return strategies(cfg, C)
 
 
@@ -139,41 +163,46 @@ def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -
     plan = check(cfg, C)
     shape = AttentionShape(cfg.seq_len, cfg.batch, cfg.model_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            C, torch.tensor([], dtype=dtype).element_size())
-    results = []
+    cu = documents(cfg.seq_len, cfg.doc_len) if cfg.doc_len else None
+    results, cus = [], []
     for strategy, U in plan:
-        err = _check(strategy, U, cfg, group, rank, C, device, dtype)
-        if not err <= CHECK_TOL[cfg.dtype]:
-            raise AssertionError(f"{strategy} U={U}: relative error {err:.3e} against the float64 reference "
-                                 f"exceeds {CHECK_TOL[cfg.dtype]:.0e}; refusing to time a wrong kernel")
-        model = attention_memory(shape, U, ulysses=strategy == "ulysses")
-        sched = make_schedule(cfg.num_heads, cfg.num_kv_heads, C, U)
-        results.append(StrategyResult(strategy, U, sched.num_stages, err, 0, model.peak_bytes, None))
+        for layout in (None, cu) if cu is not None else (None,):
+            err = _check(strategy, U, cfg, group, rank, C, device, dtype, with_docs=layout is not None)
+            if not err <= CHECK_TOL[cfg.dtype]:
+                raise AssertionError(f"{strategy} U={U}{' with documents' if layout is not None else ''}: relative "
+                                     f"error {err:.3e} against the float64 reference exceeds "
+                                     f"{CHECK_TOL[cfg.dtype]:.0e}; refusing to time a wrong kernel")
+            model = attention_memory(shape, U, ulysses=strategy == "ulysses")  # one sequence's (no documents)
+            sched = make_schedule(cfg.num_heads, cfg.num_kv_heads, C, U)
+            results.append(StrategyResult(strategy, U, sched.num_stages, err, 0, model.peak_bytes, None,
+                                          documents=1 if layout is None else len(layout) - 1))
+            cus.append(layout)
 
     s = cfg.seq_len // C
     x, wq, wk, wv, dout = _inputs(cfg, s, 2 + rank, device, dtype)
     x.requires_grad_()
     ws = [w.requires_grad_() for w in (wq, wk, wv)]
     freqs = rope_angles(cfg.seq_len, cfg.head_dim).to(device)
-    for res in results:  # memory, one strategy at a time
+    for res, layout in zip(results, cus):  # memory, one strategy at a time
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         with PeakMemoryTracker() as mem:
-            out, grads = _fwd_bwd(res.strategy, res.heads_per_stage, x, ws, dout, cfg, group, freqs)
+            out, grads = _fwd_bwd(res.strategy, res.heads_per_stage, x, ws, dout, cfg, group, freqs, layout)
             del out, grads
         res.tracked_peak_bytes = mem.peak_bytes
         if device.type == "cuda":
             torch.cuda.synchronize()
             res.cuda_peak_bytes = torch.cuda.max_memory_allocated() - base
     for it in range(cfg.warmup + cfg.iters):  # time, round-robin over strategies
-        for res in results:
+        for res, layout in zip(results, cus):
             if group is not None:
                 dist.barrier(group=group)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out, grads = _fwd_bwd(res.strategy, res.heads_per_stage, x, ws, dout, cfg, group, freqs)
+            out, grads = _fwd_bwd(res.strategy, res.heads_per_stage, x, ws, dout, cfg, group, freqs, layout)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
@@ -184,23 +213,33 @@ def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -
 
 
 def report(cfg: BenchConfig, C: int, device: str, results: list[StrategyResult]) -> tuple[str, dict]:
-    base = results[0]
+    """A table and its JSON. Ratios "/uly" are against Ulysses on the same layout (one sequence, or the same
+    documents); with documents, "docs/1seq" compares each run with the same strategy on one causal sequence."""
+    uly = {r.documents: r for r in results if r.strategy == "ulysses"}
+    one = {(r.strategy, r.heads_per_stage): r for r in results if r.documents == 1}
+    docs = cfg.doc_len is not None
     lines = [
         f"attention benchmark: H={cfg.num_heads} H_kv={cfg.num_kv_heads} d={cfg.head_dim} D={cfg.model_dim} "
-        f"N={cfg.seq_len} b={cfg.batch} C={C} {cfg.dtype} on {device}; numerics checked at N={cfg.check_seq_len}",
-        f"{'strategy':>8} {'U':>4} {'stages':>6} {'rel err':>9} {'peak MiB':>9} {'model MiB':>9} {'peak/uly':>8} "
-        f"{'ms (median)':>11} {'time/uly':>8}",
+        f"N={cfg.seq_len} b={cfg.batch} C={C} {cfg.dtype} on {device}; numerics checked at N={cfg.check_seq_len}"
+        + (f"; packed documents of about {cfg.doc_len} tokens vs one causal sequence" if docs else ""),
+        f"{'strategy':>8} {'U':>4} {'stages':>6} " + (f"{'docs':>6} " if docs else "")
+        + f"{'rel err':>9} {'peak MiB':>9} {'model MiB':>9} {'peak/uly':>8} {'ms (median)':>11} {'time/uly':>8}"
+        + (f" {'peak docs/1seq':>14} {'time docs/1seq':>14}" if docs else ""),
     ]
+    rows = []
     for r in results:
-        lines.append(
-            f"{r.strategy:>8} {r.heads_per_stage:>4} {r.stages:>6} {r.max_rel_err:>9.2e} "
-            f"{r.tracked_peak_bytes / 2**20:>9.2f} {r.model_peak_bytes / 2**20:>9.2f} "
-            f"{r.tracked_peak_bytes / base.tracked_peak_bytes:>8.3f} {r.median_s * 1e3:>11.1f} "
-            f"{r.median_s / base.median_s:>8.3f}"
-        )
-    data = {
-        "config": asdict(cfg) | {"cp": C, "device": device},
-        "results": [asdict(r) | {"median_s": r.median_s, "peak_ratio_vs_ulysses": r.tracked_peak_bytes / base.tracked_peak_bytes,
-                                 "time_ratio_vs_ulysses": r.median_s / base.median_s} for r in results],
-    }
+        base, single = uly[r.documents], one[(r.strategy, r.heads_per_stage)]
+        row = asdict(r) | {"median_s": r.median_s,
+                           "peak_ratio_vs_ulysses": r.tracked_peak_bytes / base.tracked_peak_bytes,
+                           "time_ratio_vs_ulysses": r.median_s / base.median_s}
+        line = (f"{r.strategy:>8} {r.heads_per_stage:>4} {r.stages:>6} " + (f"{r.documents:>6} " if docs else "")
+                + f"{r.max_rel_err:>9.2e} {r.tracked_peak_bytes / 2**20:>9.2f} {r.model_peak_bytes / 2**20:>9.2f} "
+                f"{row['peak_ratio_vs_ulysses']:>8.3f} {r.median_s * 1e3:>11.1f} {row['time_ratio_vs_ulysses']:>8.3f}")
+        if r.documents > 1:
+            row |= {"peak_ratio_vs_one_sequence": r.tracked_peak_bytes / single.tracked_peak_bytes,
+                    "time_ratio_vs_one_sequence": r.median_s / single.median_s}
+            line += f" {row['peak_ratio_vs_one_sequence']:>14.3f} {row['time_ratio_vs_one_sequence']:>14.3f}"
+        lines.append(line)
+        rows.append(row)
+    data = {"config": asdict(cfg) | {"cp": C, "device": device}, "results": rows}
     return "\n".join(lines), data
