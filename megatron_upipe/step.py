@@ -4,7 +4,9 @@ memory planner simulates (both call `forward_backward`; neither owns it).
 Legend: b micro-batch size, s sequence length, C context-parallel size. `forward_step` feeds one micro-batch
 ([b, s/C] per rank after the CP split) to the model, which returns the per-token loss [b, s/C]; `loss_func`
 returns (sum, token count, report), so megatron's schedule divides by the count and by the number of
-micro-batches and DDP averages over dp x cp. A batch is a dict of tokens, labels, position_ids, loss_mask.
+micro-batches and DDP averages over dp x cp. A batch is a dict of tokens, labels, position_ids, loss_mask, and
+with packed documents (data.document_mask) the sample's cu_seqlens, passed to the model as megatron's THD
+PackedSeqParams.
 """
 
 from __future__ import annotations
@@ -22,10 +24,21 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count.detach()])}
 
 
+def packed_seq_params(cu_seqlens: torch.Tensor):
+    """megatron-core's PackedSeqParams (THD) for one sample's document boundaries cu_seqlens [n_docs + 1]: the
+    model's attention layers read the boundaries, its rotary embedding the longest document."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
 def forward_step(data_iterator, model):
     """megatron-core's forward_step_func: the next micro-batch through the model, and its loss function."""
     batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s/C] per-token loss
+    packed = {"packed_seq_params": packed_seq_params(batch["cu_seqlens"])} if "cu_seqlens" in batch else {}
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **packed)  # [b, s/C] loss
     return out, partial(loss_func, batch["loss_mask"])
 
 

@@ -60,15 +60,20 @@ def _loss_func(per_token_loss: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
+    from megatron_upipe.step import packed_seq_params
+
     batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    packed = {"packed_seq_params": packed_seq_params(batch["cu_seqlens"])} if "cu_seqlens" in batch else {}
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **packed)
     return out, _loss_func
 
 
 def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
                clip_grad: float = 1.0, recompute_granularity: str | None = None, mlp_chunks: int = 1,
-               loss_chunks: int = 1) -> RunResult:
-    """Called on every rank of a job of layout.world_size ranks; returns the same RunResult on every rank."""
+               loss_chunks: int = 1, cu_seqlens: torch.Tensor | None = None) -> RunResult:
+    """Called on every rank of a job of layout.world_size ranks; returns the same RunResult on every rank.
+    cu_seqlens: the documents packed in each sequence (one row per DP rank), passed as megatron's THD
+    PackedSeqParams; position ids then restart at each document."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -108,7 +113,13 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
             "tokens": rows[:, :-1], "labels": rows[:, 1:],
             "position_ids": torch.arange(N).unsqueeze(0).expand(rows.shape[0], -1),
         }
+        if cu_seqlens is not None:
+            from megatron_upipe.data.packing import document_positions
+
+            batch["position_ids"] = document_positions(cu_seqlens, 0, N).unsqueeze(0)  # [1, N]
         batch = split_batch(batch, stage.plan.sequence_split, pg.cp)  # [B/dp, N/C] each
+        if cu_seqlens is not None:
+            batch["cu_seqlens"] = cu_seqlens
 
         forward_backward = get_forward_backward_func()
         losses, grads = [], None

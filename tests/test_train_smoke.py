@@ -1,7 +1,7 @@
 """Smoke test of the entry point: pretrain_llama.main() on 2 gloo ranks, tiny Llama, UPipe over cp=2, shipped corpus.
 
 One launch first trains 6 steps as pp=2 (megatron-core's 1F1B schedule over 4 micro-batches, evaluation included),
-then 20 steps (global batch 4 x 128 tokens, 2 accumulation steps) with evaluation and checkpoints
+6 steps with packed documents (data.document_mask: cu_seqlens from the corpus's end-of-document tokens), then 20 steps (global batch 4 x 128 tokens, 2 accumulation steps) with evaluation and checkpoints
 every 10 steps, tensorboard on, and checks what the run leaves behind: the metrics file (keys, finite values, the
 LR schedule, a falling loss), the eval records, the checkpoints (keep_last=1) and the tensorboard events.
 """
@@ -23,7 +23,9 @@ KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec_per_gpu", "tflops_per
 def _job(rank, world_size, tmp):
     pp2 = run_main(*SMALL, "train.steps=6", "parallel.pp=2", "parallel.cp=1", "parallel.cp_strategy=none",
                    "train.eval_interval=3", "train.eval_iters=1", f"log.metrics_file={tmp}/pp2.jsonl")
-    return pp2, run_main(
+    docs = run_main(*SMALL, "train.steps=6", "train.seq_length=256", "data.document_mask=true",
+                    "data.eod_mask_loss=true", f"log.metrics_file={tmp}/docs.jsonl")
+    return pp2, docs, run_main(
         f"train.steps={STEPS}", "train.seq_length=128", "train.global_batch_size=4", f"train.lr={LR}",
         f"train.min_lr={MIN_LR}", f"train.warmup_steps={WARMUP}", "train.eval_interval=10", "train.eval_iters=1",
         f"checkpoint.dir={tmp}/ckpt", "checkpoint.interval=10", "checkpoint.keep_last=1",
@@ -85,3 +87,10 @@ def test_pipeline_parallel_run_trains_and_evaluates(run):
     assert records[-1]["loss"] < records[0]["loss"] - 0.2, [r["loss"] for r in records]
     evals = read_metrics(run / "pp2.jsonl", kind="eval")
     assert [e["step"] for e in evals] == [3, 6] and all(math.isfinite(e["loss"]) for e in evals)
+
+
+def test_packed_documents_run_trains(run):
+    records = read_metrics(run / "docs.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.2, [r["loss"] for r in records]

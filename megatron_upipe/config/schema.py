@@ -256,6 +256,12 @@ class DataConfig:
     tokenizer: str | None = None
     split: list[float] = field(default_factory=lambda: [969.0, 30.0, 1.0])  # train, valid, test weights
     num_workers: int = 2  # DataLoader worker processes per rank (0 = load in the training process)
+    # Packed documents attend only to themselves: position ids restart after every end-of-document token
+    # (megatron's reset_position_ids) and each sample's document boundaries (cu_seqlens) reach every UPipe/Ulysses
+    # layer, whose attention is causal inside each document (megatron_upipe/data/packing.py). Needs
+    # parallel.cp_strategy upipe or ulysses and train.micro_batch_size=1.
+    document_mask: bool = False
+    eod_mask_loss: bool = False  # no loss on the end-of-document token's position (megatron's eod_mask_loss)
 
     def __post_init__(self) -> None:
         _check_types(self)

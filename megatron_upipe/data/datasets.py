@@ -67,6 +67,7 @@ class GPTDataConfig:
     split: str | tuple[float, float, float] = "98,2,0"  # train,valid,test weights over documents; not for mock
     create_attention_mask: bool = False
     eod_mask_loss: bool = False  # zero the loss on predicting the end-of-document token
+    reset_position_ids: bool = False  # position ids restart after every end-of-document token (packed documents)
 
     def __post_init__(self) -> None:
         if self.seq_length < 1:
@@ -135,7 +136,7 @@ def build_gpt_datasets(
         split=None if blend is None else ",".join(str(w) for w in config.split_weights),
         path_to_cache=str(cache_dir),
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        reset_position_ids=config.reset_position_ids,
         reset_attention_mask=False,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,

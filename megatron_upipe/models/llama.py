@@ -103,7 +103,10 @@ class RankRowsRotaryEmbedding(torch.nn.Module):
     """megatron-core's RotaryEmbedding reduced to this CP rank's contiguous positions: asked for N positions it
     returns the angles of positions [r·N/C, (r+1)·N/C) ([N/C, 1, 1, rot_dim], same values as those rows of the
     full table) instead of all N (at 6M tokens: 3 GiB of float32 angles per rank, alive through the step).
-    Holds no parameters or buffers (RotaryEmbedding's inv_freq is a plain attribute): state dicts are unchanged."""
+    Holds no parameters or buffers (RotaryEmbedding's inv_freq is a plain attribute): state dicts are unchanged.
+    Packed documents (megatron's THD PackedSeqParams, data.document_mask): megatron asks for the longest document's
+    length, and gets the angles of positions [0, longest) ([L, 1, 1, rot_dim], at most N rows); each attention layer
+    then takes the rows of its tokens' in-document positions."""
 
     def __init__(self, inner: torch.nn.Module, cp_group) -> None:
         super().__init__()
@@ -114,8 +117,8 @@ class RankRowsRotaryEmbedding(torch.nn.Module):
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
-        if packed_seq:
-            raise NotImplementedError("UPipe/Ulysses attention does not support packed sequences")
+        if packed_seq:  # packed documents: the angles of in-document positions [0, longest document), which the
+            return self.inner.get_emb(max_seq_len, offset)  # attention layer picks per token ([L, 1, 1, rot_dim])
         s = max_seq_len // self.cp_size  # [N] -> this rank's [s/C] positions
         return self.inner.get_emb(s, offset + self.cp_rank * s)  # [s/C, 1, 1, rot_dim]
 

@@ -24,6 +24,10 @@ whole (one [s/C, b, D] tensor less through the attention backward). With tp > 1 
 norm stays in the layer: its weight gradient would be partial per TP rank, which megatron-core only reduces for
 sequence-parallel weights.
 
+Packed documents (megatron's THD PackedSeqParams, data.document_mask): the op gets the global document boundaries
+cu_seqlens and attends causally inside each document; RoPE positions restart at each document (the rows of the
+in-document positions of this rank's tokens, picked from the table the rotary module makes).
+
 RoPE: the op takes the angles of this rank's contiguous positions (rank r holds tokens [r·N/C, (r+1)·N/C), see
 `megatron_upipe.cp_batch`): the model builder replaces megatron's RotaryEmbedding by `RankRowsRotaryEmbedding`,
 which makes just those rows.
@@ -45,6 +49,8 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_upipe.data.packing import document_positions
 
 
 class AttentionInsideCPOp(MegatronModule):
@@ -71,6 +77,21 @@ def check_supported(config: TransformerConfig, tp_size: int) -> None:
     if config.qk_l2_norm or config.attention_output_gate:
         raise ValueError("UPipe/Ulysses attention supports neither L2 QK norms nor an attention output gate "
                          "(RMSNorm QK-norm, qk_layernorm, is supported)")
+
+
+def _document_boundaries(params) -> torch.Tensor:
+    """cu_seqlens [n_docs + 1] of megatron's THD PackedSeqParams (self-attention: the same for q and kv)."""
+    if params.qkv_format != "thd":
+        raise ValueError(f"packed sequences reach UPipe/Ulysses attention as qkv_format='thd'; got "
+                         f"{params.qkv_format!r}")
+    cu = params.cu_seqlens_q
+    if params.cu_seqlens_kv is not None and params.cu_seqlens_kv is not cu and not torch.equal(params.cu_seqlens_kv,
+                                                                                               cu):
+        raise ValueError("UPipe/Ulysses self-attention needs cu_seqlens_q == cu_seqlens_kv")
+    if params.cu_seqlens_q_padded is not None and not torch.equal(params.cu_seqlens_q_padded, cu):
+        raise ValueError("UPipe/Ulysses attention takes unpadded documents: cu_seqlens_q_padded must be None or "
+                         "equal cu_seqlens_q (the op needs no padding to 2·cp: every rank sees whole sequences)")
+    return cu
 
 
 class HeadwiseCPSelfAttention(SelfAttention):
@@ -126,10 +147,10 @@ class HeadwiseCPSelfAttention(SelfAttention):
         inference_params=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if any(v is not None for v in (key_value_states, inference_context, inference_params, attention_bias,
-                                        packed_seq_params, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin)):
+                                        rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin)):
             raise NotImplementedError(
-                "UPipe/Ulysses attention supports plain causal training batches only (no inference context, packed "
-                "sequences, attention bias or precomputed cos/sin)"
+                "UPipe/Ulysses attention supports causal training batches only (no inference context, attention "
+                "bias or precomputed cos/sin)"
             )
         if isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = rotary_pos_emb[0]
@@ -140,11 +161,18 @@ class HeadwiseCPSelfAttention(SelfAttention):
             x = gather_from_sequence_parallel_region(hidden_states, group=tp_group)  # [s/(C·t), b, D] -> [s/C, b, D]
         else:
             x = copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)  # [s/C, b, D], grad all-reduced
+        extras = {}
+        if packed_seq_params is not None:  # packed documents: causal attention inside each one
+            cu_seqlens = _document_boundaries(packed_seq_params)
+            extras["cu_seqlens"] = cu_seqlens
+            if rotary_pos_emb is not None:  # [L, 1, 1, rot] angles of in-document positions -> this rank's rows
+                s = x.shape[0]
+                positions = document_positions(cu_seqlens, self.pg_collection.cp.rank() * s, s)  # [s/C]
+                rotary_pos_emb = rotary_pos_emb.index_select(0, positions.to(rotary_pos_emb.device))  # [s/C,1,1,rot]
         G = self.num_query_groups_per_partition
         g = self.num_attention_heads_per_partition // G
         d = self.hidden_size_per_attention_head
         w = self.linear_qkv.weight.view(G, g + 2, d, x.shape[-1])  # [G·(g+2)·d, D] -> [G, g+2, d, D]
-        extras = {}
         if self.linear_qkv.bias is not None:  # QKV biases, rows interleaved per group like the weight's
             bias = self.linear_qkv.bias.view(G, g + 2, d)  # [G·(g+2)·d] -> [G, g+2, d]
             extras.update(b_q=bias[:, :g], b_k=bias[:, g], b_v=bias[:, g + 1])  # [G, g, d], [G, d], [G, d]

@@ -2,7 +2,8 @@
 
 Every rank reads the micro-batches of its DP rank (TP and PP peers read the same ones; CP peers too) and keeps
 its CP rank's share of each sequence (`megatron_upipe.cp_batch`, the split the layer spec asks for). Shapes:
-micro-batch [b, s] from the dataset -> [b, s/C] after the split (tokens, labels, loss_mask, position_ids).
+micro-batch [b, s] from the dataset -> [b, s/C] after the split (tokens, labels, loss_mask, position_ids); with
+data.document_mask also the sample's `cu_seqlens` [n_docs + 1] (whole, from its reset position ids).
 
 Sample counts: train = train.steps x global batch, read in an order that does not depend on train.steps
 (`megatron_upipe.data.sample_order`: megatron's dataset is built for one epoch, read again in a seeded order per
@@ -22,6 +23,7 @@ import torch
 from megatron_upipe.config import Config, Plan
 from megatron_upipe.cp_batch import split_batch
 from megatron_upipe.data.datasets import GPTDataConfig, build_gpt_datasets, micro_batches
+from megatron_upipe.data.packing import cu_seqlens_from_positions
 from megatron_upipe.data.sample_order import EpochOrder
 from megatron_upipe.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
 
@@ -61,6 +63,7 @@ class RunData:
     cp_group: object
     num_workers: int = 0  # data.num_workers: DataLoader worker processes (the order does not depend on it)
     device: torch.device = torch.device("cpu")  # where the model runs
+    document_mask: bool = False  # data.document_mask: add each sample's cu_seqlens (micro-batch 1)
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
         return self._split(micro_batches(self.train, self.micro_batch_size, self.dp_rank, self.dp_size,
@@ -72,7 +75,11 @@ class RunData:
     def _split(self, it: Iterator[dict]) -> Iterator[dict]:
         for batch in it:  # [b, s] -> [b, s/C]
             local = split_batch({k: batch[k] for k in BATCH_KEYS}, self.split, self.cp_group)
-            yield {k: v.to(self.device, non_blocking=True) for k, v in local.items()}
+            local = {k: v.to(self.device, non_blocking=True) for k, v in local.items()}
+            if self.document_mask:  # the whole sample's document boundaries, the same on every CP rank; kept on
+                # the host, where the attention op reads them (on a GPU each layer would otherwise synchronise)
+                local["cu_seqlens"] = cu_seqlens_from_positions(batch["position_ids"][0])  # [1, s] -> [n_docs + 1]
+            yield local
 
 
 def build_run_datasets(config: Config, plan: Plan, tokenizer: Tokenizer) -> tuple[EpochOrder, object | None]:
@@ -80,7 +87,8 @@ def build_run_datasets(config: Config, plan: Plan, tokenizer: Tokenizer) -> tupl
     validation samples of train.eval_iters global batches (None when train.eval_interval=0)."""
     t = config.train
     data_config = GPTDataConfig(data_path=(config.data.path,), seq_length=t.seq_length, seed=t.seed,
-                                split=tuple(config.data.split))
+                                split=tuple(config.data.split), reset_position_ids=config.data.document_mask,
+                                eod_mask_loss=config.data.eod_mask_loss)
     n_valid = t.eval_iters * plan.global_batch_size if t.eval_interval > 0 else None
     # Training split: None = megatron's dataset over one epoch of the training documents (data.path is one prefix
     # or mock; a weighted blend, which megatron sizes by sample count, is not expressible in the config).
@@ -99,4 +107,4 @@ def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: 
                    device: torch.device = torch.device("cpu")) -> RunData:
     train, valid = build_run_datasets(config, plan, tokenizer)
     return RunData(train, valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp,
-                   config.data.num_workers, device)
+                   config.data.num_workers, device, config.data.document_mask)
