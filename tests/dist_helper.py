@@ -84,3 +84,18 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     if failures:
         raise AssertionError("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def without_communication(fn, *args):
+    """fn(*args) with torch.distributed.all_to_all_single replaced by a function that raises: the argument checks
+    under test must refuse a call before any rank communicates (else one rank's error hangs the others)."""
+    import torch.distributed as dist
+
+    def forbidden(*a, **k):
+        raise RuntimeError("communication attempted before validation")
+
+    real, dist.all_to_all_single = dist.all_to_all_single, forbidden
+    try:
+        return fn(*args)
+    finally:
+        dist.all_to_all_single = real

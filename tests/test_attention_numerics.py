@@ -19,6 +19,21 @@ from tests.dist_helper import run_on_ranks
 # bfloat16: 8-bit mantissa inputs and outputs (the reference sees the same bf16-rounded inputs).
 TOL = {torch.float64: 1e-12, torch.float32: 5e-6, torch.bfloat16: 3e-2}
 
+
+def assert_case_errors(results, plan, C) -> None:
+    """results: (case description, {tensor: relative error}) per case of `plan`, whose third field is the dtype;
+    every error must be within TOL of its dtype. Prints the worst error per dtype (pytest -s shows it)."""
+    failures, worst = [], {}
+    assert len(results) == len(plan)
+    for (desc, errs), (_, _, dtype, *_r) in zip(results, plan):
+        for name, e in errs.items():
+            worst[str(dtype)] = max(worst.get(str(dtype), 0.0), e)
+            if not e <= TOL[dtype]:
+                failures.append(f"{desc} {name}: rel err {e:.3e} > {TOL[dtype]:.0e}")
+    print(f"C={C}: {len(plan)} cases; worst rel err per dtype: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())))
+    assert not failures, "\n".join(failures)
+
 # (H, G, d, local tokens, rot_dim, causal): MHA, GQA g=2/4/8, KV heads fewer than some cp sizes, partial RoPE,
 # no RoPE, non-causal; local lengths 3 and 5 make N = 3·C, 5·C (not powers of two).
 CASES = [

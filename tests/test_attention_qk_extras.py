@@ -26,8 +26,8 @@ import torch
 
 from megatron_upipe.attention import api, legal_heads_per_stage
 from megatron_upipe.attention.reference import reference_attention, rope_angles
-from tests.dist_helper import run_on_ranks
-from tests.test_attention_numerics import TOL
+from tests.dist_helper import run_on_ranks, without_communication
+from tests.test_attention_numerics import assert_case_errors
 
 # (H, G, d, local tokens, rot_dim): MHA, GQA g=4 (replicated KV heads at C=4), GQA g=4 with one KV head
 # (replicated at C=2 and 4) and partial RoPE.
@@ -160,19 +160,6 @@ def _run_plan(rank, world_size):
     return results
 
 
-def _assert_results(results, plan, C):
-    failures, worst = [], {}
-    assert len(results) == len(plan)
-    for (desc, errs), (_, _, dtype, *_r) in zip(results, plan):
-        for name, e in errs.items():
-            worst[str(dtype)] = max(worst.get(str(dtype), 0.0), e)
-            if not e <= TOL[dtype]:
-                failures.append(f"{desc} {name}: rel err {e:.3e} > {TOL[dtype]:.0e}")
-    print(f"C={C}: {len(plan)} cases; worst rel err per dtype: "
-          + ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())))
-    assert not failures, "\n".join(failures)
-
-
 def test_single_rank_matches_reference():
     plan = _plan(1)
     assert len(plan) > 60
@@ -182,12 +169,12 @@ def test_single_rank_matches_reference():
         results = _run_plan(0, 1)
     finally:
         torch.set_num_threads(threads)
-    _assert_results(results, plan, 1)
+    assert_case_errors(results, plan, 1)
 
 
 def _on_two_ranks(rank, world_size):
     """One launch for both 2-rank tests (spawning ranks costs seconds): the argument checks, then the numerics."""
-    return _bad_inputs_on_rank(rank, world_size), _run_plan(rank, world_size)
+    return without_communication(_bad_inputs, rank), _run_plan(rank, world_size)
 
 
 @pytest.fixture(scope="module")
@@ -199,14 +186,14 @@ def test_two_ranks_match_reference(two_ranks):
     plan = _plan(2)
     assert any(CASES[ci][1] < 2 for ci, *_ in plan)  # KV replication is among the cases
     for _, results in two_ranks:
-        _assert_results(results, plan, 2)
+        assert_case_errors(results, plan, 2)
 
 
 def test_four_ranks_match_reference():
     plan = _plan(4)
     assert any(CASES[ci][1] < 4 for ci, *_ in plan)
     for results in run_on_ranks(_run_plan, 4):
-        _assert_results(results, plan, 4)
+        assert_case_errors(results, plan, 4)
 
 
 def test_without_the_new_arguments_nothing_changes():
@@ -275,17 +262,6 @@ BAD = [
                                                                                "torch.bfloat16"]),
     ("eps not positive", lambda ex: {**ex, "qk_norm_eps": 0.0}, ["qk_norm_eps=0.0", "positive"]),
 ]
-
-
-def _bad_inputs_on_rank(rank, world_size):
-    def forbidden(*a, **k):
-        raise RuntimeError("communication attempted before validation")
-
-    real, torch.distributed.all_to_all_single = torch.distributed.all_to_all_single, forbidden
-    try:
-        return _bad_inputs(rank)
-    finally:
-        torch.distributed.all_to_all_single = real
 
 
 def _bad_inputs(rank):

@@ -29,8 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_upipe.attention import api, legal_heads_per_stage
 from megatron_upipe.attention.reference import reference_attention
-from tests.dist_helper import run_on_ranks
-from tests.test_attention_numerics import TOL
+from tests.dist_helper import run_on_ranks, without_communication
+from tests.test_attention_numerics import assert_case_errors
 
 # (H, G, d, local tokens, rot_dim): MHA; GQA g=4 (KV heads replicated at C=4); one KV head (replicated at C=2, 4)
 # with partial RoPE. Local lengths 11, 9, 7 make N = 11·C, 9·C, 7·C.
@@ -240,24 +240,11 @@ def _empty_documents_change_nothing(rank, group) -> bool:
     return torch.equal(o0, o1) and all(torch.equal(g0[n], g1[n]) for n in g0)
 
 
-def _assert_results(results, plan, C):
-    failures, worst = [], {}
-    assert len(results) == len(plan)
-    for (desc, errs), (_, _, dtype, *_r) in zip(results, plan):
-        for name, e in errs.items():
-            worst[str(dtype)] = max(worst.get(str(dtype), 0.0), e)
-            if not e <= TOL[dtype]:
-                failures.append(f"{desc} {name}: rel err {e:.3e} > {TOL[dtype]:.0e}")
-    print(f"C={C}: {len(plan)} cases; worst rel err per dtype: "
-          + ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())))
-    assert not failures, "\n".join(failures)
-
-
 def _check_launch(per_rank, C):
     plan = _plan(C)
     assert any(p[4] == "tiny" for p in plan) and any(not p[5] for p in plan)
     for results, single_bad, empty_ok in per_rank:
-        _assert_results(results, plan, C)
+        assert_case_errors(results, plan, C)
         assert not single_bad, f"one document differs from plain causal: {single_bad}"
         assert empty_ok
 
@@ -273,7 +260,7 @@ def test_single_rank_matches_reference():
 
 def _on_two_ranks(rank, world_size):
     """One launch for both 2-rank tests (spawning ranks costs seconds): the argument checks, then the numerics."""
-    return _bad_inputs_on_rank(rank, world_size), _run_plan(rank, world_size)
+    return without_communication(_bad_inputs, rank), _run_plan(rank, world_size)
 
 
 @pytest.fixture(scope="module")
@@ -307,17 +294,6 @@ BAD = [
     ("ending before N", _cu(0, 3, 7), ["ends at 7", "N = C·s = 8"]),
     ("ending after N", _cu(0, 3, 9), ["ends at 9", "N = C·s = 8"]),
 ]
-
-
-def _bad_inputs_on_rank(rank, world_size):
-    def forbidden(*a, **k):
-        raise RuntimeError("communication attempted before validation")
-
-    real, torch.distributed.all_to_all_single = torch.distributed.all_to_all_single, forbidden
-    try:
-        return _bad_inputs(rank)
-    finally:
-        torch.distributed.all_to_all_single = real
 
 
 def _bad_inputs(rank):

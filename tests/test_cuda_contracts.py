@@ -50,6 +50,17 @@ def _layout(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.dtype, t.stride()
 
 
+def _output_problems(name: str, outputs, inputs, want_lse) -> list[str]:
+    """A kernel's (out, lse, dq, dk, dv) against the layout the op expects: bf16 like q/k/v, float32 lse, on cuda."""
+    (out, lse, dq, dk, dv), (q, k, v) = outputs, inputs
+    checks = [("out", out, q.shape, torch.bfloat16), ("lse", lse, want_lse, torch.float32),
+              ("dq", dq, q.shape, torch.bfloat16), ("dk", dk, k.shape, torch.bfloat16),
+              ("dv", dv, v.shape, torch.bfloat16)]
+    return [f"{name} {what}: {_layout(t)} on {t.device}; want {tuple(shape)} {dtype} cuda"
+            for what, t, shape, dtype in checks
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device.type != "cuda"]
+
+
 def _fake_kernels() -> tuple[list[str], dict[str, str]]:
     from megatron_upipe.attention.kernels import KERNELS
 
@@ -172,13 +183,7 @@ def _kernel_contract(name, device_cpu_plan):
         dq, dk, dv = kernel_backward(kernel, do, q, k, v, out, lse, aux, True, d ** -0.5)
         results[label] = [_layout(t) for t in (out, lse, dq, dk, dv)]
         if label == "gpu":
-            want_lse = LSE_SHAPES[name](b, m, N)
-            checks = [("out", out, q.shape, torch.bfloat16), ("lse", lse, want_lse, torch.float32),
-                      ("dq", dq, q.shape, torch.bfloat16), ("dk", dk, k.shape, torch.bfloat16),
-                      ("dv", dv, v.shape, torch.bfloat16)]
-            for what, t, shape, dtype in checks:
-                if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device.type != "cuda":
-                    problems.append(f"{name} {what}: {_layout(t)} on {t.device}; want {tuple(shape)} {dtype} cuda")
+            problems += _output_problems(name, (out, lse, dq, dk, dv), (q, k, v), LSE_SHAPES[name](b, m, N))
     if results["gpu"] != results["plan"]:
         problems.append(f"{name}: planning stand-in {results['plan']} != kernel's meta outputs {results['gpu']}")
     return problems
@@ -222,13 +227,8 @@ def _varlen_kernel_contract(name, cu):
         dq, dk, dv = kernel_backward(kernel, do, q, k, v, out, lse, aux, True, d ** -0.5, docs=docs)
         results[label] = [_layout(t) for t in (out, lse, dq, dk, dv)]
         if label == "gpu":
-            checks = [("out", out, q.shape, torch.bfloat16), ("lse", lse, VARLEN_LSE[name](docs, q.shape[1]),
-                                                               torch.float32),
-                      ("dq", dq, q.shape, torch.bfloat16), ("dk", dk, k.shape, torch.bfloat16),
-                      ("dv", dv, v.shape, torch.bfloat16)]
-            for what, t, shape, dtype in checks:
-                if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device.type != "cuda":
-                    problems.append(f"{name} varlen {what}: {_layout(t)} on {t.device}; want {tuple(shape)} {dtype}")
+            problems += _output_problems(f"{name} varlen", (out, lse, dq, dk, dv), (q, k, v),
+                                         VARLEN_LSE[name](docs, q.shape[1]))
     if results["gpu"] != results["plan"]:
         problems.append(f"{name} varlen: planning stand-in {results['plan']} != kernel's outputs {results['gpu']}")
     return problems

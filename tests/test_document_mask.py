@@ -3,7 +3,7 @@ one per sequence, and the data pipeline finds the boundaries megatron-core's dat
 
 Model test (gloo, float32, tiny GQA Llama, 4 ranks): one sequence of N = 64 tokens packs documents of 13, 24, 1
 and 26 tokens (a document of length 1; boundaries at 13, 37, 38, which cross the cp2 shard boundary at 32 and the
-cp2 × tp2 sequence-parallel quarter at 16/48). Under cp2 UPipe, tp2+SP × cp2 UPipe and pp2 (UPipe at cp 1) it
+cp2 × tp2 sequence-parallel quarter at 16/48). Under cp2 UPipe, tp2+SP × cp2 UPipe, pp2 (UPipe at cp 1) and cp2 Ulysses it
 runs with cu_seqlens (megatron's THD PackedSeqParams); the reference runs every document alone as its own
 sequence through megatron-core's own attention (cp_strategy none, one rank's layout): the same (input, label)
 pairs, so the packed run's mean loss is the length-weighted mean of the documents' losses, and so are its
@@ -23,7 +23,7 @@ LAYOUTS = {
     "cp2 upipe": dict(cp=2, dp=2, cp_strategy="upipe"),
     "tp2+SP×cp2 upipe": dict(tp=2, sequence_parallel=True, cp=2, cp_strategy="upipe"),
     "pp2 upipe": dict(pp=2, dp=2, cp_strategy="upipe"),
-    "cp4 ulysses": dict(cp=4, cp_strategy="ulysses"),
+    "cp2 ulysses": dict(cp=2, dp=2, cp_strategy="ulysses"),
 }
 
 

@@ -145,7 +145,7 @@ def test_hf_to_ours_to_hf_is_bit_exact(round_trips, name):
 
 
 # ----------------------------------------------------------------------------- CLI, resharded logits
-def _logits_tp2_cp2(rank, world_size, ckpt_dir, tokens):
+def _logits_tp2(rank, world_size, ckpt_dir, tokens):
     import torch.distributed as dist
 
     from megatron_upipe.checkpoint.mcore_io import load_mcore_checkpoint
@@ -155,7 +155,7 @@ def _logits_tp2_cp2(rank, world_size, ckpt_dir, tokens):
     from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 
     arch, vocab = load_meta(ckpt_dir)
-    layout = ParallelLayout(tp=2, cp=2, sequence_parallel=True, cp_strategy="upipe")
+    layout = ParallelLayout(tp=2, sequence_parallel=True, cp_strategy="upipe")  # resharded to tp2 on load
     pg = initialize_parallel(layout)
     stage = build_llama(arch, layout, pg, vocab_size=vocab)
     load_mcore_checkpoint(stage.model, ckpt_dir)
@@ -175,7 +175,7 @@ def _logits_tp2_cp2(rank, world_size, ckpt_dir, tokens):
     return torch.cat(parts, dim=1)[..., :vocab]  # contiguous split: rank order is sequence order -> [b, s, V]
 
 
-def test_cli_logits_under_tp2_cp2_upipe(tmp_path):
+def test_cli_logits_under_tp2_sp_upipe(tmp_path):
     hf = make_hf("llama", {"rope_parameters": ROPE["llama3"]})
     hf_dir, ckpt_dir = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     hf.save_pretrained(hf_dir)
@@ -186,7 +186,7 @@ def test_cli_logits_under_tp2_cp2_upipe(tmp_path):
     proc = _cli("hf-to-mcore", "--hf", hf_dir, "--out", ckpt_dir)
     assert proc.returncode == 0 and "it/s]" in proc.stderr, proc.stderr[-4000:]  # the tqdm progress bar ran
     assert proc.stdout.strip().startswith("wrote llama model (21 HF tensors -> 15 megatron tensors, float32")
-    ours = run_on_ranks(_logits_tp2_cp2, 4, ckpt_dir, tokens)
+    ours = run_on_ranks(_logits_tp2, 2, ckpt_dir, tokens)
     for r in ours[1:]:
         assert torch.equal(r, ours[0])
     assert ours[0].shape == expected.shape

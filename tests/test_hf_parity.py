@@ -17,7 +17,6 @@ terms, different kernels and reduction orders): logits max abs error <= 2e-5 at 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.dist_helper import run_on_ranks
