@@ -11,6 +11,7 @@ offloader's ledger.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,8 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         def forward_step(data_iterator, model):
             b = next(data_iterator)
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            if not probe:  # free unreachable reference cycles first: when Python's cyclic GC ran is not the model's
+                gc.collect()
             probe.setdefault("device", tracker.live_bytes)
             probe.setdefault("host", offloader.live_bytes if offloader else 0)
             return out, _loss_func

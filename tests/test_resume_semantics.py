@@ -346,7 +346,9 @@ def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_exits_5(tmp_path):
     assert "#SBATCH --signal=USR1@" in recipe and "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in recipe
 
     def everyone(proc, token):
-        for pid in [proc.pid, *processes_with(token)]:
+        # once to each process, as Slurm does: torchrun's own environment carries the token too, and a second
+        # SIGUSR1 arriving while torchrun forwards the first makes it escalate to SIGTERM
+        for pid in dict.fromkeys([proc.pid, *processes_with(token)]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
 
