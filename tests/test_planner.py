@@ -137,7 +137,7 @@ def test_max_context_search_equals_brute_force(monkeypatch, curve, gpu_gib):
 
     f, calls, top = CURVES[curve], [], 512
 
-    def fake_estimate(source, world, vocab, strategy, seq, gpu_mem, margins):
+    def fake_estimate(source, world, vocab, strategy, seq, gpu_mem, margins, jobs=1):
         k = seq // E.CONTEXT_STEP
         calls.append(k)
         peak = int(f(k) * E.GIB)

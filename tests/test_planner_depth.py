@@ -25,14 +25,22 @@ CASES = {
 }
 
 
+SIDE_BY_SIDE = "upipe cp4, sharded states, full recompute + offload, tiled MLP, chunked loss, bf16 grad accum"
+
+
 def _both(rank, world_size):
     import torch.distributed as dist
 
     from megatron_upipe.planner.depth import simulate_deep
     from megatron_upipe.planner.simulate import simulate_step
 
+    from megatron_upipe.planner.workers import fork_usable
+
     dist.destroy_process_group()  # the planner makes its own fake one
-    out = {}
+    config = load_config(None, BASE + CASES[SIDE_BY_SIDE])
+    out = {"forked": fork_usable()}  # before any backward in this process
+    out["side by side"] = [simulate_deep(config, 4, VOCAB, named_bytes=1024, jobs=jobs) for jobs in (2, 1)]
+    out["forked after a backward"] = fork_usable()
     for case, overrides in CASES.items():
         config = load_config(None, BASE + overrides)
         out[case] = (simulate_step(config, 4, VOCAB), simulate_deep(config, 4, VOCAB))
@@ -52,6 +60,14 @@ def test_extrapolated_step_equals_the_full_simulation(simulated, case):
         assert abs(d - f) <= 0.005 * max(f, 1), f"{case}: {field} extrapolated {d} vs simulated {f}"
     assert full.peak_bytes > 0 and full.num_parameters > 0
     assert sum(deep.breakdown.values()) == deep.peak_bytes
+
+
+def test_simulations_side_by_side_equal_one_after_the_other(simulated):
+    """jobs=2 (two forked workers, planner/workers.py) returns the serial result, named buffers included; once the
+    process has run a backward, forked children could not, and the simulations run serially."""
+    assert simulated["forked"] and not simulated["forked after a backward"]
+    side_by_side, serial = simulated["side by side"]
+    assert side_by_side == serial and serial.peak_named and serial.peak_bytes == simulated[SIDE_BY_SIDE][1].peak_bytes
 
 
 def test_a_shallow_config_is_simulated_whole():

@@ -3,7 +3,7 @@
 
     python tools/estimate_memory.py --config examples/configs/llama3_8b_upipe_8xh100.yaml [section.key=value ...]
         [--world-size 8] [--gpu h100-80gb|h200|...|GiB] [--strategies none,ulysses,upipe,upipe:16] [--max-context]
-        [--json OUT.json] [--plot OUT.png]
+        [--json OUT.json] [--plot OUT.png] [--jobs N]
 
 Runs rank 0's real model code (build, DDP, optimizer states, one forward/backward step) under fake tensors and a
 fake process group of the full world size, tracks the live tensors, adds the attention kernel's workspace and the
@@ -30,6 +30,7 @@ from megatron_upipe.planner.devices import (  # noqa: E402
 from megatron_upipe.planner.estimate import (  # noqa: E402
     ConfigSource, estimate, format_breakdown, format_named, max_context, plot, strategy_config, write_json,
 )
+from megatron_upipe.planner.workers import default_jobs  # noqa: E402
 
 PROG = "estimate_memory.py"
 
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--fragmentation", type=float, default=None, help="override the fragmentation fraction")
     p.add_argument("--explain", type=float, default=None, metavar="MIB",
                    help="also list the buffers of at least MIB MiB alive at the deciding peak, by allocation site")
+    p.add_argument("--jobs", type=positive_int, default=default_jobs(),
+                   help="simulations run side by side, one process each (default: the CPUs available, at most 2)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     results, max_ctx = [], {}
     for strategy in strategies:
         if a.max_context:
-            tokens, seen = max_context(source, world, vocab, strategy, gpu, margins, a.max_tokens)
+            tokens, seen = max_context(source, world, vocab, strategy, gpu, margins, a.max_tokens, jobs=a.jobs)
             max_ctx[strategy] = tokens
             results += seen
             fitting = [r for r in seen if r.seq_length == tokens]
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
                   flush=True)
         else:
             est = estimate(source, world, vocab, strategy, config.train.seq_length, gpu, margins,
-                           named_bytes=int((a.explain or 0) * 2**20))
+                           named_bytes=int((a.explain or 0) * 2**20), jobs=a.jobs)
             results.append(est)
             print(("fits: " if est.fits else "does NOT fit: ") + format_breakdown(est), flush=True)
             if a.explain is not None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_upipe.config import Config, validate
-from megatron_upipe.planner.simulate import StepMemory, simulate_step
+from megatron_upipe.planner.simulate import StepMemory, preload, simulate_step
+from megatron_upipe.planner.workers import run_all
 
 _LINEAR_INTS = ("peak_bytes", "host_peak_bytes", "model_state_bytes", "num_parameters", "attention_peak_bytes")
 _LINEAR_DICTS = ("breakdown", "attention_peak_breakdown")
@@ -50,9 +51,10 @@ def extrapolate(shallow: StepMemory, deeper: StepMemory, a: int, b: int, depth: 
 
 
 def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes: int = 0,
-                  base_depth: int = 2) -> StepMemory:
+                  base_depth: int = 2, jobs: int = 1) -> StepMemory:
     """simulate_step of `config`, from simulations at base_depth and base_depth + 1 layers per stage when the
-    model is deeper than base_depth + 2 (else the full simulation)."""
+    model is deeper than base_depth + 2 (else the full simulation); with jobs > 1 the two run side by side in
+    forked workers (workers.py)."""
     depth = layers_per_stage(config, world_size)
     m = config.memory
     if m.shard_model_states:  # Megatron-FSDP gathers the computing layer and prefetches one (fsdp_communication_unit
@@ -62,6 +64,8 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     # several layers of a large model but every layer of a shallow one, never periodic from a shallow depth
     if depth <= b + 1 or (m.shard_model_states and m.fsdp_communication_unit == "megatron"):
         return simulate_step(config, world_size, vocab_size, named_bytes)
-    shallow = simulate_step(with_depth(config, a), world_size, vocab_size, 0)
-    deeper = simulate_step(with_depth(config, b), world_size, vocab_size, named_bytes)
+    if jobs > 1:
+        preload()
+    shallow, deeper = run_all(simulate_step, [(with_depth(config, a), world_size, vocab_size, 0),
+                                              (with_depth(config, b), world_size, vocab_size, named_bytes)], jobs)
     return extrapolate(shallow, deeper, a, b, depth)

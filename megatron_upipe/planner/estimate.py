@@ -107,9 +107,11 @@ def strategy_config(source: ConfigSource, strategy: str, seq_length: int) -> Con
 
 
 def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, seq_length: int,
-             gpu_mem_bytes: int, margins: Margins = Margins(), named_bytes: int = 0) -> Estimate:
+             gpu_mem_bytes: int, margins: Margins = Margins(), named_bytes: int = 0, jobs: int = 1) -> Estimate:
+    """The verdict for `strategy` at `seq_length` (see the module docstring); jobs > 1 runs the depth
+    extrapolation's two simulations side by side."""
     cfg = strategy_config(source, strategy, seq_length)
-    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes)  # shallow simulations, extrapolated by depth
+    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes, jobs=jobs)  # shallow, extrapolated
     workspace = flash_workspace_bytes(cfg, world_size)
     breakdown = dict(step.breakdown)
     at_attention = step.attention_peak_bytes + workspace
@@ -139,7 +141,8 @@ def plan_host(cfg: Config, world_size: int, vocab_size: int, step: StepMemory) -
 
 
 def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, gpu_mem_bytes: int,
-                margins: Margins = Margins(), limit: int = 64 * 1024 * 1024, log=print) -> tuple[int, list[Estimate]]:
+                margins: Margins = Margins(), limit: int = 64 * 1024 * 1024, log=print,
+                jobs: int = 1) -> tuple[int, list[Estimate]]:
     """Longest multiple of 128K tokens that fits (0 if none), and every estimate made.
 
     Peak memory grows with the sequence length, almost linearly (every activation term is linear in it; the
@@ -152,7 +155,8 @@ def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy
 
     def peak(k: int) -> Estimate:
         if k not in memo:
-            est = estimate(source, world_size, vocab_size, strategy, k * CONTEXT_STEP, gpu_mem_bytes, margins)
+            est = estimate(source, world_size, vocab_size, strategy, k * CONTEXT_STEP, gpu_mem_bytes, margins,
+                           jobs=jobs)
             memo[k] = est
             seen.append(est)
             log(f"  {strategy:>10} {k * CONTEXT_STEP:>10} tokens: {est.peak_bytes / GIB:7.1f} GiB "

@@ -2,7 +2,8 @@
 
 `simulate_step(config, world_size)` builds the model, wrapper (megatron-core DDP, or Megatron-FSDP with
 memory.shard_model_states) and optimizer of pipeline stage 0 exactly as `pretrain_llama.py` does (same builders),
-under `FakeTensorMode` and torch's fake process group of `world_size` ranks (compat/fsdp.py: what Megatron-FSDP
+under fake tensors (fake_mode.py: torch's FakeTensorMode, with bookkeeping kept real and the tracker fed by it) and
+torch's fake process group of `world_size` ranks (compat/fsdp.py: what Megatron-FSDP
 needs there), then runs a steady-state training step inside a storage tracker: Adam's moments exist (as after the
 first update), Megatron-FSDP is in the state its first backward leaves (compat.fsdp.steady_state) and megatron-core's
 forward/backward schedule runs over every micro-batch. The update itself is not
@@ -26,11 +27,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
 from megatron_upipe.config import Config, validate
 from megatron_upipe.memory.tracker import PeakMemoryTracker
+from megatron_upipe.planner.fake_mode import QUERIES, PlannerFakeMode, tensors_in
 
 FSDP_GATHERED = "fsdp: gathered params"
 FSDP_GRAD_BUCKETS = "fsdp: grad buckets"
@@ -193,6 +193,21 @@ class _PlannerTracker(StorageTracker):
         self._named.pop(key, None)
         super()._free(key, nbytes)
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """PeakMemoryTracker's, faster: metadata queries pass straight through, and inputs are only looked at when
+        the op returns a tensor (self.track is called from here, as there: allocation_site counts frames)."""
+        kwargs = kwargs or {}
+        if func in QUERIES:
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        outs = tensors_in(out)
+        if outs:
+            inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+            for t in outs:
+                if t.untyped_storage()._cdata not in inputs:
+                    self.track(t, func)
+        return out
+
     def track(self, t, name="external", category=None) -> None:
         st = t.untyped_storage()
         key, new = st._cdata, st._cdata not in self._seen
@@ -233,8 +248,9 @@ class _PlannerTracker(StorageTracker):
 
 
 def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool,
-                 named_bytes: int = 0) -> StepMemory:
-    """Build this rank's stage as the training job does and track one step (on real or fake tensors alike)."""
+                 named_bytes: int = 0, fake: PlannerFakeMode | None = None) -> StepMemory:
+    """Build this rank's stage as the training job does and track one step (on real or fake tensors alike; under
+    `fake`, the running PlannerFakeMode, the tracker is fed by it)."""
     from megatron_upipe.compat.fsdp import steady_state
     from megatron_upipe.memory_stack.sharding import is_fully_sharded
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
@@ -253,7 +269,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     if is_fully_sharded(ddp):
         steady_state(ddp)  # as after the first backward: the run's first micro-batch alone prefetches more
     mem = _PlannerTracker(named_bytes)
-    with tracked_step(mem, stage.model, ddp, optimizer) as state_bytes:
+    with tracked_step(mem, stage.model, ddp, optimizer, fake) as state_bytes:
         moments = _materialise_adam(mem, optimizer)  # alive through every step after the first
         state_bytes += sum(m.untyped_storage().nbytes() for m in moments)
         handles = _retag_layer_inputs(stage.model, mem)
@@ -274,32 +290,27 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     return step
 
 
-class _RealInputsStayReal(TorchDispatchMode):
-    """Inside FakeTensorMode, bookkeeping stays real: an op whose tensor inputs are all real (none fake) runs for
-    real, and so do integer `arange`s. megatron-core compares CPU RNG states with `.item()`
-    (tensor_parallel.random.fork) and Megatron-FSDP checks its device-mesh ranks with `.tolist()`, which fake
-    tensors cannot answer. Such tensors are small; the tracker still counts them. Other factories make fakes."""
+def preload() -> None:
+    """Import what a simulation imports on first use (before forking workers, which then need not)."""
+    import megatron.core.distributed.param_and_grad_buffer  # noqa: F401
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
-    _ARANGES = ("aten::arange",)
+    import megatron_upipe.attention.kernels  # noqa: F401
+    import megatron_upipe.compat.fsdp as fsdp
+    import megatron_upipe.memory_stack.offload  # noqa: F401
+    import megatron_upipe.memory_stack.sharding  # noqa: F401
+    import megatron_upipe.models.llama  # noqa: F401
+    import megatron_upipe.parallel  # noqa: F401
+    import megatron_upipe.step  # noqa: F401
+    import megatron_upipe.training.build  # noqa: F401
+    import megatron_upipe.training.optim  # noqa: F401
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        integer_arange = (func._schema.name in self._ARANGES and not tensors
-                          and (kwargs.get("dtype") is None or not kwargs["dtype"].is_floating_point)
-                          and all(isinstance(a, int) for a in args))
-        if integer_arange or (tensors and not any(isinstance(t, FakeTensor) for t in tensors)):
-            with _disable_current_modes():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+    fsdp._fsdp_buffer_module()
 
 
 def simulate_step(config: Config, world_size: int, vocab_size: int, named_bytes: int = 0) -> StepMemory:
     """Peak memory of rank 0 for one training step of `config` on `world_size` GPUs (bf16 unless train.bf16=false).
     Storages of at least `named_bytes` (0: none) are named by allocation site in the result."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
@@ -311,9 +322,9 @@ def simulate_step(config: Config, world_size: int, vocab_size: int, named_bytes:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         pg = initialize_parallel(layout, seed=config.train.seed, gloo_groups=False)
-        with FakeTensorMode(allow_non_fake_inputs=True), _RealInputsStayReal():
+        with PlannerFakeMode() as fake:  # a GPU plan: train.bf16=auto means bf16 there
             return measure_step(config, plan, layout, pg, vocab_size, bf16=config.train.bf16 is not False,
-                                planning=True, named_bytes=named_bytes)  # a GPU plan: train.bf16=auto means bf16 there
+                                planning=True, named_bytes=named_bytes, fake=fake)
     finally:
         destroy_parallel()
         dist.destroy_process_group()
@@ -372,12 +383,13 @@ def _host_peak(stage) -> int:
 
 
 @contextmanager
-def tracked_step(mem: StorageTracker, model, ddp, optimizer):
-    """`mem` running with the model states registered and Megatron-FSDP's in-place storage resizes followed (what
-    the planner's simulation and the training job's CPU memory check both track); yields the state bytes."""
+def tracked_step(mem: StorageTracker, model, ddp, optimizer, fake: PlannerFakeMode | None = None):
+    """`mem` running (as a dispatch mode, or fed by the running `fake` mode) with the model states registered and
+    Megatron-FSDP's in-place storage resizes followed (what the planner's simulation and the training job's CPU
+    memory check both track); yields the state bytes."""
     from megatron_upipe.compat.fsdp import storage_resizes
 
-    with mem, storage_resizes(mem.resized):
+    with (mem if fake is None else fake.tracking(mem)), storage_resizes(mem.resized):
         yield register_model_states(mem, model, ddp, optimizer)
 
 
