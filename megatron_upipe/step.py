@@ -15,6 +15,8 @@ from functools import partial
 
 import torch
 
+from megatron_upipe.data.packing import packed_seq_params
+
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     """(masked loss sum, unmasked token count, {"lm loss": [sum, count]}) of one micro-batch."""
@@ -22,16 +24,6 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     total = (per_token_loss.float() * mask).sum()
     count = mask.sum()
     return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count.detach()])}
-
-
-def packed_seq_params(cu_seqlens: torch.Tensor):
-    """megatron-core's PackedSeqParams (THD) for one sample's document boundaries cu_seqlens [n_docs + 1]: the
-    model's attention layers read the boundaries, its rotary embedding the longest document."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
 
 
 def forward_step(data_iterator, model):

@@ -60,7 +60,7 @@ def _loss_func(per_token_loss: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
-    from megatron_upipe.step import packed_seq_params
+    from megatron_upipe.data.packing import packed_seq_params
 
     batch = next(data_iterator)
     packed = {"packed_seq_params": packed_seq_params(batch["cu_seqlens"])} if "cu_seqlens" in batch else {}

@@ -22,6 +22,9 @@ CASES = {
     "upipe cp2, full recompute, tiled MLP, chunked loss": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
         "memory.recompute=full", "memory.mlp_chunks=4", "memory.loss_chunks=4"],
+    "upipe cp2, packed documents, full recompute, tiled MLP, chunked loss": [
+        "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
+        "memory.recompute=full", "memory.mlp_chunks=4", "memory.loss_chunks=4", "data.document_mask=true"],
     "ulysses cp2 x dp1, no recompute": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=512"],
     "tp2 + sequence parallel, upipe off": [
@@ -74,6 +77,15 @@ def test_simulation_matches_real_run_within_1_percent(simulated, case):
     assert sim.model_state_bytes == real.model_state_bytes
     assert sum(sim.breakdown.values()) == sim.peak_bytes
     assert {"params", "grads", "optimizer"} <= set(sim.breakdown)
+
+
+def test_packed_documents_cost_no_rotary_table(simulated):
+    """data.document_mask: the layers share one tensor of RoPE angles for this rank's [s/C] positions, as unpacked;
+    a table of the longest document's rows (up to N) would add (N - N/C) · rot_dim · 4 bytes."""
+    packed = simulated["upipe cp2, packed documents, full recompute, tiled MLP, chunked loss"]
+    plain = simulated["upipe cp2, full recompute, tiled MLP, chunked loss"]
+    table = (512 - 256) * 8 * 4  # tiny-gqa: rot_dim = kv_channels = 8
+    assert 0 <= packed.peak_bytes - plain.peak_bytes < table // 4, (packed.peak_bytes, plain.peak_bytes)
 
 
 def test_estimate_memory_cli_max_context_json_and_plot(tmp_path):

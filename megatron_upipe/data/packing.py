@@ -6,11 +6,16 @@ the document boundaries: `cu_seqlens_from_positions` turns a sample's position i
 document lengths cu_seqlens (int32 [n_docs + 1] = [0, l1, l1 + l2, ..., N]: megatron's THD `cu_seqlens`, which
 the UPipe/Ulysses op takes for the global sequence), and `document_positions` gives the in-document positions of
 a contiguous range of tokens (a context-parallel rank's share) from cu_seqlens alone, for its RoPE angles.
+`packed_seq_params` wraps one sample's cu_seqlens as megatron-core's THD PackedSeqParams, with a per-micro-batch
+cache so that every attention layer shares one tensor of RoPE angles (see `DocumentPackedSeqParams`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
 def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -30,3 +35,27 @@ def document_positions(cu_seqlens: torch.Tensor, start: int, length: int) -> tor
     cu = cu_seqlens.to(torch.int64)
     doc = torch.searchsorted(cu, tokens, right=True) - 1  # [length]: the document of each token
     return tokens - cu[doc]
+
+
+@dataclass
+class DocumentPackedSeqParams(PackedSeqParams):
+    """megatron-core's THD PackedSeqParams of one micro-batch, plus `rope_cache`: the RoPE angles of this rank's
+    in-document positions ([s/C, 1, 1, rot_dim]), made by the first attention layer that asks and shared by the
+    others (and by the recomputed forward), so a packed micro-batch holds one [s/C]-row angle tensor, as an unpacked
+    one does, instead of one per layer or a table of the longest document's rows."""
+
+    rope_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def rope_angles(self, key, make):
+        """The cached angles for `key` (a rotary module), made by `make()` on first use."""
+        if key not in self.rope_cache:
+            self.rope_cache[key] = make()
+        return self.rope_cache[key]
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor) -> DocumentPackedSeqParams:
+    """THD PackedSeqParams for one sample's document boundaries cu_seqlens [n_docs + 1] (kept where they are: on
+    the host in training); the longest document is megatron's max_seqlen."""
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return DocumentPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                   max_seqlen_q=longest, max_seqlen_kv=longest)

@@ -105,8 +105,9 @@ class RankRowsRotaryEmbedding(torch.nn.Module):
     full table) instead of all N (at 6M tokens: 3 GiB of float32 angles per rank, alive through the step).
     Holds no parameters or buffers (RotaryEmbedding's inv_freq is a plain attribute): state dicts are unchanged.
     Packed documents (megatron's THD PackedSeqParams, data.document_mask): megatron asks for the longest document's
-    length, and gets the angles of positions [0, longest) ([L, 1, 1, rot_dim], at most N rows); each attention layer
-    then takes the rows of its tokens' in-document positions."""
+    length; no table is made ([0, 1, 1, rot_dim]: up to N rows of float32 alive through the step otherwise, 2.5 GiB
+    per rank for an 8B model at 5M tokens). The attention layers ask `angles_at` for their tokens' in-document
+    positions instead (once per micro-batch, see HeadwiseCPSelfAttention.use_rank_rotary)."""
 
     def __init__(self, inner: torch.nn.Module, cp_group) -> None:
         super().__init__()
@@ -117,10 +118,26 @@ class RankRowsRotaryEmbedding(torch.nn.Module):
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
-        if packed_seq:  # packed documents: the angles of in-document positions [0, longest document), which the
-            return self.inner.get_emb(max_seq_len, offset)  # attention layer picks per token ([L, 1, 1, rot_dim])
+        if packed_seq:  # packed documents: the attention layers take angles_at(their in-document positions)
+            return self.inner.get_emb(1, offset)[:0]  # [0, 1, 1, rot_dim] (and inv_freq on megatron's device)
         s = max_seq_len // self.cp_size  # [N] -> this rank's [s/C] positions
         return self.inner.get_emb(s, offset + self.cp_rank * s)  # [s/C, 1, 1, rot_dim]
+
+    def angles_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """[n, 1, 1, rot_dim] angles of the positions [n] (int, each < 2^24): bit for bit the rows `positions` of
+        `inner.get_emb(max + 1)` (the same float32 products as megatron-core's get_freqs_non_repeated / get_emb;
+        tests/test_document_mask.py checks it for every RoPE scaling)."""
+        inner = self.inner
+        inv_freq = inner.inv_freq  # [rot_dim / 2]
+        seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)  # [n], exact below 2^24
+        if inner.seq_len_interpolation_factor is not None:
+            seq = seq * (1 / inner.seq_len_interpolation_factor)
+        freqs = torch.outer(seq, inv_freq)  # [n, rot_dim / 2]
+        if not inner.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, rot_dim]
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]  # [n, 1, 1, rot_dim]
 
 
 def build_llama(
@@ -169,6 +186,8 @@ def build_llama(
         # The headwise CP ops rotate this rank's contiguous positions only: make just those angles ([s/C] rows, not
         # the [N] rows nor megatron's zigzag slice of them).
         model.rotary_pos_emb = RankRowsRotaryEmbedding(model.rotary_pos_emb, pg_collection.cp)
+        for layer in model.decoder.layers:
+            layer.self_attention.use_rank_rotary(model.rotary_pos_emb)
         if layout.tp == 1 or layout.sequence_parallel:  # the op applies each layer's input norm itself
             for layer in model.decoder.layers:
                 layer.self_attention.fuse_input_norm(layer.input_layernorm)

@@ -50,7 +50,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_upipe.data.packing import document_positions
+from megatron_upipe.data.packing import DocumentPackedSeqParams, document_positions
 
 
 class AttentionInsideCPOp(MegatronModule):
@@ -117,6 +117,27 @@ class HeadwiseCPSelfAttention(SelfAttention):
         check_supported(config, self.world_size)
         self.cp_attention = cp_attention
         self._input_norm: tuple = ()  # (RMSNorm,) when fused: a tuple, so not registered as a submodule
+        self._rotary: tuple = ()  # (RankRowsRotaryEmbedding,) when the model has one: see use_rank_rotary
+
+    def use_rank_rotary(self, rotary: torch.nn.Module) -> None:
+        """Take packed documents' RoPE angles from `rotary` (the model's RankRowsRotaryEmbedding, which makes no
+        table for them): the angles of this rank's in-document positions, made once per micro-batch."""
+        self._rotary = (rotary,)  # a tuple: not registered as a submodule (the model owns it)
+
+    def _document_angles(self, params, table: torch.Tensor, cu_seqlens: torch.Tensor, s: int) -> torch.Tensor:
+        """[s/C, 1, 1, rot] RoPE angles of this rank's tokens at their in-document positions. With the model's
+        RankRowsRotaryEmbedding (`use_rank_rotary`) they are made from the positions, once per micro-batch when
+        `params` is a DocumentPackedSeqParams (as the training step's); else `table` ([L, 1, 1, rot]: positions
+        [0, longest document), megatron's rotary module) gives the rows."""
+        def positions() -> torch.Tensor:  # [s/C] in-document positions of global tokens [r·s, (r+1)·s)
+            return document_positions(cu_seqlens, self.pg_collection.cp.rank() * s, s)
+
+        if self._rotary:
+            rotary = self._rotary[0]
+            if isinstance(params, DocumentPackedSeqParams):
+                return params.rope_angles(rotary, lambda: rotary.angles_at(positions()))
+            return rotary.angles_at(positions())
+        return table.index_select(0, positions().to(table.device))  # [s/C, 1, 1, rot]
 
     def fuse_input_norm(self, norm: torch.nn.Module) -> None:
         """Apply the layer's input RMSNorm `norm` inside the op (see the module docstring); norm passes x through."""
@@ -165,10 +186,8 @@ class HeadwiseCPSelfAttention(SelfAttention):
         if packed_seq_params is not None:  # packed documents: causal attention inside each one
             cu_seqlens = _document_boundaries(packed_seq_params)
             extras["cu_seqlens"] = cu_seqlens
-            if rotary_pos_emb is not None:  # [L, 1, 1, rot] angles of in-document positions -> this rank's rows
-                s = x.shape[0]
-                positions = document_positions(cu_seqlens, self.pg_collection.cp.rank() * s, s)  # [s/C]
-                rotary_pos_emb = rotary_pos_emb.index_select(0, positions.to(rotary_pos_emb.device))  # [s/C,1,1,rot]
+            if rotary_pos_emb is not None:
+                rotary_pos_emb = self._document_angles(packed_seq_params, rotary_pos_emb, cu_seqlens, x.shape[0])
         G = self.num_query_groups_per_partition
         g = self.num_attention_heads_per_partition // G
         d = self.hidden_size_per_attention_head

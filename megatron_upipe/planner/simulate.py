@@ -277,6 +277,8 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
         tokens = torch.zeros(b, s, dtype=torch.long)
         batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(s).expand(b, s),
                  "loss_mask": torch.ones(b, s)}
+        if config.data.document_mask:  # packed documents: one spanning the sequence (the batch's positions are its)
+            batch["cu_seqlens"] = torch.tensor([0, plan.seq_length], dtype=torch.int32)  # [2], on the host
         with _fake_world() if planning else nullcontext():
             forward_backward(ddp, iter([batch] * plan.num_microbatches), num_microbatches=plan.num_microbatches,
                              seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size, forward_only=False)
