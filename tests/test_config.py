@@ -171,6 +171,8 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
     (["memory.shard_model_states=true", "parallel.cp=1", "parallel.pp=2", "train.global_batch_size=2"], 2,
      "memory.shard_model_states=true is not combined with parallel.pp=2"),
     (["model.tie_embeddings=true", "memory.shard_model_states=true"], 2, "set memory.fsdp_embedding_unit=false"),
+    (["parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=null", "memory.upipe_overlap=true"], 2,
+     "memory.upipe_overlap=true pipelines UPipe's head stages (Ulysses has one stage): set parallel.cp_strategy=upipe"),
 ]
 
 

@@ -25,6 +25,9 @@ CASES = {
     "upipe cp2, packed documents, full recompute, tiled MLP, chunked loss": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
         "memory.recompute=full", "memory.mlp_chunks=4", "memory.loss_chunks=4", "data.document_mask=true"],
+    "upipe cp2 pipelined stages, full recompute": [
+        "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
+        "memory.recompute=full", "memory.upipe_overlap=true"],
     "ulysses cp2 x dp1, no recompute": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=512"],
     "tp2 + sequence parallel, upipe off": [

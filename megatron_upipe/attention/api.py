@@ -93,7 +93,7 @@ def _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps) -> 
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
              ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
              norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-             qk_norm_eps: float = 1e-6, cu_seqlens=None):
+             qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False):
     if norm_tile_rows < 1:
         raise ValueError(f"norm_tile_rows={norm_tile_rows} must be positive")
     if grad_accum not in ("fp32", "input"):
@@ -120,7 +120,7 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
                  accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows,
-                 qk_norm_eps=float(qk_norm_eps), docs=docs)
+                 qk_norm_eps=float(qk_norm_eps), docs=docs, overlap=bool(overlap))
     if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
         rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
     rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)  # [s, rot/2] each
@@ -131,7 +131,7 @@ def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
     norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
@@ -149,12 +149,13 @@ def upipe_attention_grouped(
     [d] (both or none, eps qk_norm_eps): QK-norm (Qwen3's q_norm / k_norm, megatron-core's qk_layernorm), an
     RMSNorm over the head dim of every q and k head after the projection (+ bias) and before RoPE, HF's formula.
     All of them are applied stage by stage to the stage's heads only; gradients flow to each of them.
-    See `upipe_attention` for the others (cu_seqlens: packed documents, see the module docstring).
+    See `upipe_attention` for the others (cu_seqlens: packed documents, see the module docstring; overlap:
+    pipelined stages).
     """
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
                         norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
-                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens)
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap)
     cos, sin = rope if rope is not None else (None, None)
     return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
@@ -213,7 +214,7 @@ def _group_biases(w_q, b_q, b_k, b_v, num_heads: int, num_kv_heads: int):
 def upipe_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True,
     softmax_scale=None, kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False,
 ):
     """UPipe attention of this rank's tokens.
 
@@ -227,6 +228,9 @@ def upipe_attention(
     [d] (both or none): QK-norm weights, eps qk_norm_eps (see `upipe_attention_grouped`).
     cu_seqlens: int32 [n_docs + 1] cumulative document lengths of the global packed sequence (b must be 1):
     attention inside each document only (module docstring).
+    overlap: pipelined stages: while one stage's kernel runs, the next stage's projections have gone out in
+    asynchronous all-to-alls and the previous stage's result comes back (forward and backward); the same results
+    bit for bit, at most one more stage of all-to-all buffers (and a KV round's K/V at a round boundary) alive.
     Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
     Differentiable with respect to x, w_q, w_k, w_v and the biases and QK-norm weights given.
     """
@@ -235,7 +239,7 @@ def upipe_attention(
     return upipe_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, heads_per_stage=heads_per_stage, rotary_pos_emb=rotary_pos_emb,
         causal=causal, softmax_scale=softmax_scale, kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w,
-        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens,
+        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap,
     )
 
 

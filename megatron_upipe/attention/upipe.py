@@ -62,7 +62,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .comm import head_to_seq, seq_to_head
+from .comm import InFlight, head_to_seq, seq_to_head
 from .kernels import AttentionKernel, kernel_backward, kernel_forward
 from .norm_tiles import rms_tile, rms_tile_backward, rms_tile_rstd
 from .qk_norm import head_norm, head_norm_backward, head_rstd
@@ -92,6 +92,9 @@ class StageOp:
     norm_tile_rows: int = 32768  # rows of RMSNorm(x) regenerated at a time (float32 temporaries [T, D])
     qk_norm_eps: float = 1e-6  # of the per-head q/k RMSNorm (QK-norm), when its weights are passed
     docs: Documents | None = None  # packed documents (cu_seqlens): attention inside each; None: one sequence
+    # Pipelined stages (memory.upipe_overlap): the next stage's all-to-alls in flight while this stage's kernel
+    # runs and the previous stage's result all-to-all drains; same results bit for bit, one more stage of buffers.
+    overlap: bool = False
 
 
 def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
@@ -168,10 +171,11 @@ def _pre_norm(rows_in: _Rows, w_rows, bias_rows, norm_w, op: StageOp):
 
 
 def _project_to_heads(rows_in: _Rows, w_rows, rope, s, b, C, h, op: StageOp, bias_rows=None, norm_w=None,
-                      keep_pre: bool = False):
+                      keep_pre: bool = False, async_op: bool = False):
     """rows [s·b, D] @ w_rows [C·h, d, D]^T (+ bias_rows [C·h, d]) -> QK-norm (norm_w [d]) -> RoPE -> all-to-all
-    -> [N, b, h, d] (this rank's h heads). Returns (heads, pre): pre = (p [s·b, C·h·d], rstd [s·b, C·h, 1]), the
-    pre-norm projection and its rstd, when keep_pre and norm_w is given (for the norm's backward), else None."""
+    -> [N, b, h, d] (this rank's h heads; an InFlight of them with async_op). Returns (heads, pre): pre =
+    (p [s·b, C·h·d], rstd [s·b, C·h, 1]), the pre-norm projection and its rstd, when keep_pre and norm_w is given
+    (for the norm's backward), else None."""
     d = w_rows.shape[1]
     proj, rstd = _pre_norm(rows_in, w_rows, bias_rows, norm_w, op)  # [s·b, C·h·d], [s·b, C·h, 1] or None
     pre = None
@@ -187,12 +191,16 @@ def _project_to_heads(rows_in: _Rows, w_rows, rope, s, b, C, h, op: StageOp, bia
     else:
         rotate_into(src, rope[0], rope[1], dst)
     del proj, src, dst
-    return seq_to_head(send, op.group), pre  # [N, b, h, d]
+    return seq_to_head(send, op.group, async_op), pre  # [N, b, h, d]
 
 
 def _heads_to_rows(g_head, rope, s, b, op: StageOp) -> torch.Tensor:
     """Gradient in head layout [N, b, h, d] -> all-to-all -> inverse RoPE -> [s·b, C·h·d] (rank-major heads)."""
-    recv = head_to_seq(g_head, op.group)  # [C, s, b, h, d]
+    return _seq_to_rows(head_to_seq(g_head, op.group), rope, s, b)
+
+
+def _seq_to_rows(recv, rope, s, b) -> torch.Tensor:
+    """Received gradient [C, s, b, h, d] -> inverse RoPE -> [s·b, C·h·d] (rank-major heads)."""
     C, h, d = recv.shape[0], recv.shape[3], recv.shape[4]
     src = recv.permute(1, 2, 0, 3, 4)  # [s, b, C, h, d] view
     if rope is None:
@@ -283,32 +291,76 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b
     out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
     out_shbd = out.view(s, b, H, d)
     lses, auxes, saved = [], [], []
-    k_head = v_head = None
-    for st, heads, (gi, ji) in zip(sched.stages, stage_heads, stage_rows):
+    ov = op.overlap
+
+    def launch(i):  # stage i's projections, their seq->head all-to-alls started (async with ov): (K/V or None, q)
+        st, (gi, ji) = sched.stages[i], stage_rows[i]
+        kv_p = None
         if st.new_round:
-            k_head = v_head = None  # free the previous round's K/V before projecting the next
             kv = round_kv[st.round_index]
-            k_head, _ = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv),
-                                          k_norm_w)  # [N, b, n_kv, d]
-            v_head, _ = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op, _bias_rows(b_v, kv))  # [N, b, n_kv, d]
-        q_head, _ = _project_to_heads(xin, w_q[gi, ji], rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)),
-                                      q_norm_w)  # [N, b, m, d]
+            kv_p = (_project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv), k_norm_w,
+                                      async_op=ov)[0],  # [N, b, n_kv, d]
+                    _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op, _bias_rows(b_v, kv),
+                                      async_op=ov)[0])  # [N, b, n_kv, d]
+        q_p, _ = _project_to_heads(xin, w_q[gi, ji], rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)), q_norm_w,
+                                   async_op=ov)  # [N, b, m, d]
+        return kv_p, q_p
+
+    def finish(o_seq, heads):  # a stage's output [C, s, b, m, d] (rank j's heads for my tokens) into out
+        o_seq = _ready(o_seq)
+        for j in range(C):
+            out_shbd.index_copy_(2, heads[j * m:(j + 1) * m], o_seq[j])
+
+    k_head = v_head = None
+    nxt = launch(0) if ov else None
+    draining = None  # ov: the previous stage's output all-to-all in flight, and its heads
+    for i, (st, heads) in enumerate(zip(sched.stages, stage_heads)):
+        if not ov and st.new_round:
+            k_head = v_head = None  # free the previous round's K/V before projecting the next
+        (kv_p, q_p), nxt = (nxt if ov else launch(i)), None
+        if kv_p is not None:
+            k_head = v_head = None  # ov: the previous round's last kernel has run
+            k_head, v_head = _ready(kv_p[0]), _ready(kv_p[1])  # [N, b, n_kv, d] each
+        q_head = _ready(q_p)  # [N, b, m, d]
+        del kv_p, q_p
+        if ov and i + 1 < len(sched.stages):
+            nxt = launch(i + 1)  # in flight during this stage's kernel
+        if draining is not None:
+            finish(*draining)  # the previous stage's output: its all-to-all ran during the projections above
+            draining = None
         a0, a1 = st.kv_slots
         o, lse, aux = kernel_forward(
             op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
             v_head[:, :, a0:a1].permute(1, 2, 0, 3), op.causal, op.scale, docs=op.docs,
         )  # o [b, m, N, d]
+        nxt = _settle(nxt)  # the next stage's inputs have arrived (on CUDA: the stream waits): send buffers freed
         if op.save_heads:
             saved.append((q_head, k_head, v_head, o))
         del q_head
-        o_seq = head_to_seq(o.permute(2, 0, 1, 3), op.group)  # [N, b, m, d] -> [C, s, b, m, d]
+        o_seq = head_to_seq(o.permute(2, 0, 1, 3), op.group, async_op=ov)  # [N, b, m, d] -> [C, s, b, m, d]
         del o
-        for j in range(C):
-            out_shbd.index_copy_(2, heads[j * m:(j + 1) * m], o_seq[j])
+        if ov:
+            draining = (o_seq, heads)
+        else:
+            finish(o_seq, heads)
         del o_seq
         lses.append(lse)
         auxes.append(aux)
+    if draining is not None:
+        finish(*draining)
     return out, lses, auxes, saved
+
+
+def _ready(t):
+    """A tensor, or the tensor an all-to-all in flight delivers."""
+    return t.wait() if isinstance(t, InFlight) else t
+
+
+def _settle(obj):
+    """obj (None, or nested tuples of tensors, InFlights and None) with every InFlight replaced by its tensor."""
+    if isinstance(obj, tuple):
+        return tuple(_settle(o) for o in obj)
+    return _ready(obj)
 
 
 def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: StageOp, needs_dw: bool = True,
@@ -377,42 +429,32 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             if needs_dw:
                 dw.index_add_(0, kv, xin.t_mm(rows).view(C * n_kv, d, D))  # replicas sum here
 
-    k_head = v_head = dk_acc = dv_acc = None
-    for idx, (st, heads, (gi, ji)) in enumerate(zip(sched.stages, stage_heads, stage_rows)):
-        kv = round_kv[st.round_index]
-        w_rows = w_q[gi, ji]  # [U, d, D]
-        q_pre = None
-        if op.save_heads:
-            q_head, k_head, v_head, o_head = saved.pop(0)  # [N, b, m, d], [N, b, n_kv, d] x2, o [b, m, N, d]
-            o_head = o_head.permute(2, 0, 1, 3)  # [N, b, m, d]
-        else:
+    ov = op.overlap
+
+    def launch(i):  # stage i's inputs in head layout, their all-to-alls started (async with ov); serial: with the
+        st, heads, (gi, ji) = sched.stages[i], stage_heads[i], stage_rows[i]  # round's accumulators, as before
+        kv_p = q_p = q_pre = o_p = accs = None
+        w_rows = w_q[gi, ji]  # [U, d, D] (a gathered copy, kept until the stage's dq is added)
+        if not op.save_heads:
             if st.new_round:
-                k_head = v_head = None
-                k_head, _ = _project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv),
-                                              k_norm_w)  # [N, b, n_kv, d]
-                v_head, _ = _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op,
-                                              _bias_rows(b_v, kv))  # [N, b, n_kv, d]
-            q_head, q_pre = _project_to_heads(xin, w_rows, rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)),
-                                              q_norm_w, keep_pre=True)  # [N, b, m, d]; pre-norm q for its norm
-            o_head = seq_to_head(_gather_heads(out_shbd, heads, C), op.group)  # [N, b, m, d]
-        if st.new_round:
-            dk_acc = torch.zeros(k_head.shape, dtype=acc, device=x.device)  # [N, b, n_kv, d]
-            dv_acc = torch.zeros(v_head.shape, dtype=acc, device=x.device)
+                kv = round_kv[st.round_index]
+                kv_p = (_project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv), k_norm_w,
+                                          async_op=ov)[0],  # [N, b, n_kv, d]
+                        _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op, _bias_rows(b_v, kv),
+                                          async_op=ov)[0])  # [N, b, n_kv, d]
+            q_p, q_pre = _project_to_heads(xin, w_rows, rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)),
+                                           q_norm_w, keep_pre=True, async_op=ov)  # [N, b, m, d]; pre-norm q
+            o_p = seq_to_head(_gather_heads(out_shbd, heads, C), op.group, async_op=ov)  # [N, b, m, d]
+        if st.new_round and not ov:
+            accs = new_accs(n_kv)
         do_send = _gather_heads(dout_shbd, heads, C) if w_o is None else _dout_heads(dy2, w_o, heads, s, b, C, d)
-        do_head = seq_to_head(do_send, op.group)  # [C, s, b, m, d] -> [N, b, m, d]
-        del do_send
-        a0, a1 = st.kv_slots
-        dq, dk, dv = kernel_backward(
-            op.kernel, do_head.permute(1, 2, 0, 3), q_head.permute(1, 2, 0, 3),
-            k_head[:, :, a0:a1].permute(1, 2, 0, 3), v_head[:, :, a0:a1].permute(1, 2, 0, 3),
-            o_head.permute(1, 2, 0, 3), lses[idx], auxes[idx], op.causal, op.scale, docs=op.docs,
-        )  # dq [b, m, N, d]; dk, dv [b, a1-a0, N, d]
-        del q_head, o_head, do_head
-        dk_acc[:, :, a0:a1] += dk.permute(2, 0, 1, 3)
-        dv_acc[:, :, a0:a1] += dv.permute(2, 0, 1, 3)
-        del dk, dv
-        rows = _heads_to_rows(dq.permute(2, 0, 1, 3), rope, s, b, op)  # [s·b, U·d]
-        del dq
+        do_p = seq_to_head(do_send, op.group, async_op=ov)  # [C, s, b, m, d] -> [N, b, m, d]
+        return kv_p, q_p, q_pre, o_p, do_p, accs, w_rows
+
+    def new_accs(heads):  # dK, dV of a KV round: [N, b, n_kv, d] each, in the accumulation dtype
+        return tuple(torch.zeros((C * s, b, heads, d), dtype=acc, device=x.device) for _ in range(2))
+
+    def finish_dq(rows, q_pre, w_rows, gi, ji):  # a stage's dq rows [s·b, U·d] (inverse RoPE done) into dx, dW_Q
         if q_norm_w is not None:
             if q_pre is None:  # Ulysses keeps the normalised q only: recompute the pre-norm projection
                 q_pre = _pre_norm(xin, w_rows, _bias_rows(b_q, (gi, ji)), q_norm_w, op)  # [s·b, U·d], [s·b, U, 1]
@@ -423,8 +465,58 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         add_input_grad(rows, w_rows.view(-1, D))
         if needs_dw:
             dw_q[gi, ji] = xin.t_mm(rows).view(-1, d, D)
-        del rows, w_rows
+
+    k_head = v_head = dk_acc = dv_acc = None
+    nxt = launch(0) if ov else None
+    draining = None  # ov: the previous stage's dq all-to-all in flight, with what finish_dq needs
+    for idx, (st, heads, (gi, ji)) in enumerate(zip(sched.stages, stage_heads, stage_rows)):
+        kv = round_kv[st.round_index]
+        if op.save_heads:
+            q_head, k_head, v_head, o_head = saved.pop(0)  # [N, b, m, d], [N, b, n_kv, d] x2, o [b, m, N, d]
+            o_head = o_head.permute(2, 0, 1, 3)  # [N, b, m, d]
+        elif st.new_round and not ov:
+            k_head = v_head = None
+        (kv_p, q_p, q_pre, o_p, do_p, accs, w_rows), nxt = (nxt if ov else launch(idx)), None
+        if kv_p is not None:
+            k_head = v_head = None  # ov: the previous round's last kernel has run
+            k_head, v_head = _ready(kv_p[0]), _ready(kv_p[1])  # [N, b, n_kv, d] each
+        if q_p is not None:
+            q_head, o_head = _ready(q_p), _ready(o_p)  # [N, b, m, d] each
+        do_head = _ready(do_p)  # [N, b, m, d]
+        del kv_p, q_p, o_p, do_p
+        if st.new_round:
+            dk_acc, dv_acc = accs if accs is not None else new_accs(k_head.shape[2])
+        del accs
+        if ov and idx + 1 < len(sched.stages):
+            nxt = launch(idx + 1)  # in flight during this stage's kernel
+        if draining is not None:  # the previous stage's dq (its all-to-all ran during the projections above)
+            finish_dq(_seq_to_rows(_ready(draining[0]), rope, s, b), *draining[1:])
+            draining = None
+        a0, a1 = st.kv_slots
+        dq, dk, dv = kernel_backward(
+            op.kernel, do_head.permute(1, 2, 0, 3), q_head.permute(1, 2, 0, 3),
+            k_head[:, :, a0:a1].permute(1, 2, 0, 3), v_head[:, :, a0:a1].permute(1, 2, 0, 3),
+            o_head.permute(1, 2, 0, 3), lses[idx], auxes[idx], op.causal, op.scale, docs=op.docs,
+        )  # dq [b, m, N, d]; dk, dv [b, a1-a0, N, d]
+        nxt = _settle(nxt)  # the next stage's inputs have arrived (on CUDA: the stream waits): send buffers freed
+        del q_head, o_head, do_head
+        dk_acc[:, :, a0:a1] += dk.permute(2, 0, 1, 3)
+        dv_acc[:, :, a0:a1] += dv.permute(2, 0, 1, 3)
+        del dk, dv
         last_of_round = idx + 1 == len(sched.stages) or sched.stages[idx + 1].new_round
+        if ov:
+            dq_p = head_to_seq(dq.permute(2, 0, 1, 3), op.group, async_op=True)  # [C, s, b, U/C, d] in flight
+            del dq
+            draining = (dq_p, q_pre, w_rows, gi, ji)
+            del dq_p, q_pre, w_rows
+            if last_of_round:  # dx adds this stage's dq before the round's dK/dV, as the serial order does
+                finish_dq(_seq_to_rows(_ready(draining[0]), rope, s, b), *draining[1:])
+                draining = None
+        else:
+            rows = _heads_to_rows(dq.permute(2, 0, 1, 3), rope, s, b, op)  # [s·b, U·d]
+            del dq
+            finish_dq(rows, q_pre, w_rows, gi, ji)
+            del rows, q_pre, w_rows
         if last_of_round:
             k_head = v_head = None
             finish_round(kv, dk_acc, dv_acc)

@@ -349,6 +349,10 @@ class MemoryConfig:
     # rounding at the end, as one fused projection GEMM would) or in the activations' 16-bit dtype ("input": the two
     # largest attention-backward buffers at half size, one rounding per stage).
     attention_grad_accum: Literal["fp32", "input"] = "fp32"
+    # UPipe's head stages pipelined: while one stage's attention kernel runs, the next stage's projections are in
+    # asynchronous all-to-alls and the previous stage's result drains (forward and backward). Same results bit for
+    # bit; costs the next stage's buffers in flight (send + receive), which the memory planner counts.
+    upipe_overlap: bool = False
     # ZeRO-3: parameters, fp32 main parameters, gradients and Adam states sharded over the dp x cp ranks
     # (Megatron-FSDP; layers all-gathered just in time). Implies the sharded optimizer (train.distributed_optimizer
     # need not be set). Checkpoints are then saved per rank ("fsdp_per_rank") and resume only in the same tp/pp/cp/dp.

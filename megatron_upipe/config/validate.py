@@ -143,6 +143,9 @@ def validate(config: Config, world_size: int) -> Plan:
     if p.cp_strategy in TE_CP_STRATEGIES and config.dist.backend == "gloo":
         errors.append(f"parallel.cp_strategy={p.cp_strategy} (TransformerEngine) needs CUDA and NCCL: set "
                       f"dist.backend=nccl/auto or cp_strategy=upipe/ulysses")
+    if config.memory.upipe_overlap and p.cp_strategy != "upipe":
+        errors.append(f"memory.upipe_overlap=true pipelines UPipe's head stages (Ulysses has one stage): set "
+                      f"parallel.cp_strategy=upipe or memory.upipe_overlap=false (cp_strategy={p.cp_strategy})")
     if config.memory.attention_grad_accum != "fp32" and p.cp_strategy not in ("ulysses", "upipe"):
         errors.append(f"memory.attention_grad_accum={config.memory.attention_grad_accum} applies to the UPipe/Ulysses "
                       f"attention op only: set parallel.cp_strategy=upipe/ulysses or memory.attention_grad_accum=fp32")

@@ -106,12 +106,14 @@ def _op_kernel(name: str, config: TransformerConfig, device) -> str | None:
 
 
 def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: int = 0,
-                  grad_accum: str = "fp32", attention_kernel: str = "auto", kernel_device=None) -> CPPlan:
+                  grad_accum: str = "fp32", attention_kernel: str = "auto", kernel_device=None,
+                  overlap: bool = False) -> CPPlan:
     """Layer spec of pipeline stage `pp_rank` for `layout.cp_strategy` (the only reader of that field).
     grad_accum: the UPipe/Ulysses op's backward accumulation ('fp32' or 'input'); other strategies need 'fp32'.
     attention_kernel: `model.attention_kernel`, the UPipe/Ulysses op's local kernel ('auto' or a name from
     megatron_upipe.attention.kernels.KERNELS); other strategies need 'auto'. kernel_device: the device the model
-    will run on; with it a named kernel that cannot run there is refused now, before any parameter exists."""
+    will run on; with it a named kernel that cannot run there is refused now, before any parameter exists.
+    overlap: UPipe's pipelined stages (`memory.upipe_overlap`); 'upipe' only."""
     strategy = layout.cp_strategy
     norm = RMSNorm
     if strategy == "none":
@@ -127,7 +129,7 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
             partial(ulysses_attention_grouped, grad_accum=grad_accum, kernel=kernel)
             if strategy == "ulysses"
             else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage, grad_accum=grad_accum,
-                         kernel=kernel)
+                         kernel=kernel, overlap=overlap)
         )
         layer, split, rank_rope = _headwise_cp_layer_spec(config, op), "contiguous", True
     elif strategy in TE_STRATEGIES:
@@ -141,6 +143,9 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
         raise ValueError(f"model.attention_kernel={attention_kernel} applies to cp_strategy 'ulysses' or 'upipe' only "
                          f"(megatron-core's attention picks its own kernel); set model.attention_kernel=auto for "
                          f"cp_strategy={strategy!r}")
+    if overlap and strategy != "upipe":
+        raise ValueError(f"upipe_overlap pipelines UPipe's head stages; cp_strategy={strategy!r} has none to overlap: "
+                         f"set memory.upipe_overlap=false")
     if strategy != "upipe" and layout.upipe_heads_per_stage is not None:
         raise ValueError(f"upipe_heads_per_stage is set but cp_strategy={strategy!r}; it only applies to 'upipe'")
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
