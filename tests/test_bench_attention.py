@@ -71,3 +71,34 @@ def test_bench_refuses_documents_with_a_batch(tmp_path):
     )
     assert proc.returncode == 2
     assert "need batch 1" in proc.stderr and "--docs 8 --batch 2" in proc.stderr
+
+
+def test_bench_attention_overlap_and_bytes_sent(tmp_path):
+    """--overlap: every UPipe U also with pipelined stages, checked and measured side by side; every row reports
+    the bytes sent in forward and backward: the same for serial and pipelined UPipe, the same forward for UPipe and
+    Ulysses, and UPipe's backward sends more (it re-sends q and out per stage and K/V per round)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_attention.py", "--heads", "8", "--kv-heads", "2", "--head-dim", "16",
+         "--seq-len", "128", "--cp", "2", "--u", "2", "--check-seq-len", "32", "--iters", "1", "--overlap",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "upipe+ov" in proc.stdout and "sent bwd MiB" in proc.stdout
+    uly, ser, ov = json.loads(out.read_text())["results"]
+    assert (uly["strategy"], ser["strategy"], ov["strategy"]) == ("ulysses", "upipe", "upipe+ov")
+    assert ov["max_rel_err"] < 1e-4 and ov["model_peak_bytes"] is None and len(ov["times_s"]) == 1
+    from megatron_upipe.attention import make_schedule
+
+    N, b, H, G, d, C = 128, 1, 8, 2, 16, 2
+    share = lambda n_bytes: n_bytes * (C - 1) // C  # noqa: E731 - one of the C equal chunks stays on this rank
+    q, kv = N // C * b * H * d * 4, N // C * b * G * d * 4  # this rank's q / k projections, float32
+    assert uly["fwd_sent_bytes"] == ser["fwd_sent_bytes"] == ov["fwd_sent_bytes"] == share(2 * q + 2 * kv)
+    assert uly["bwd_sent_bytes"] == share(2 * q + 2 * kv)  # dout in; dq, dK, dV back
+    sched = make_schedule(H, G, C, 2)
+    rounds = sum(st.new_round for st in sched.stages)
+    kv_round = N // C * b * C * sched.kv_per_rank * d * 4  # one round's K (or V) send buffer
+    # per stage q (recomputed), out and dout in, dq back; per round K, V (recomputed) in, dK, dV back
+    assert ser["bwd_sent_bytes"] == ov["bwd_sent_bytes"] == share(4 * q + 4 * rounds * kv_round)
+    assert ser["bwd_sent_bytes"] > uly["bwd_sent_bytes"]

@@ -4,6 +4,7 @@
     python tools/bench_attention.py --heads 32 --kv-heads 8 --head-dim 64 --seq-len 2048 --cp 4 --json out.json
     python tools/bench_attention.py --cp 2 --u 2 8 32 --dtype bfloat16
     python tools/bench_attention.py --cp 4 --seq-len 16384 --docs 256   # packed documents vs one causal sequence
+    python tools/bench_attention.py --cp 4 --overlap                     # UPipe serial vs pipelined stages
 
 Spawns --cp processes (gloo on CPU; NCCL when --cp GPUs are visible), prints a table on rank 0 and writes JSON.
 Shapes that cannot run (heads vs KV heads vs --cp, an illegal --u, a length not divisible by --cp) are refused in
@@ -74,11 +75,13 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=positive_int, default=None, metavar="MEAN_LEN",
                    help="also run the same N tokens packed as documents of about MEAN_LEN tokens (cu_seqlens), side "
                         "by side with one causal sequence (needs --batch 1)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also run every UPipe U with pipelined stages (upipe+ov), side by side with the serial op")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     try:
         cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.hidden, a.seq_len, a.batch, tuple(a.u), a.dtype,
-                          a.check_seq_len, a.warmup, a.iters, a.docs)
+                          a.check_seq_len, a.warmup, a.iters, a.docs, a.overlap)
         check(cfg, a.cp)
     except ValueError as e:
         return fail(PROG, f"{e} (--heads {a.heads} --kv-heads {a.kv_heads} --cp {a.cp} --seq-len {a.seq_len} "

@@ -14,6 +14,10 @@ the same round-robin, and reported next to the one causal sequence (time and pea
 On gloo, tracked peaks can exceed the model by up to two all-to-all buffers now and then: gloo's worker thread
 drops its references to a collective's tensors asynchronously, so a buffer may outlive its last Python use for a
 moment (a real effect, not a tracker error; the model is validated on the fake process group in the tests).
+With `overlap` (CLI --overlap) every UPipe U also runs with pipelined stages ("upipe+ov": the next stage's
+all-to-alls in flight during this stage's kernel), checked, measured and timed in the same round-robin (the
+closed-form model does not cover it: "-"). Every strategy reports the bytes this rank sends to other ranks in the
+all-to-alls of one forward and of one backward (a step under full recompute sends the forward's twice).
 Legend: N global tokens, C ranks, s = N / C, b batch, D model dim, H / G heads, d head dim, U heads per stage.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -50,6 +55,7 @@ class BenchConfig:
     warmup: int = 1
     iters: int = 3
     doc_len: int | None = None  # also run packed documents of about this many tokens (None: one sequence only)
+    overlap: bool = False  # also run every UPipe U with pipelined stages ("upipe+ov")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,15 +73,17 @@ class BenchConfig:
 
 @dataclass
 class StrategyResult:
-    strategy: str  # "ulysses" or "upipe"
+    strategy: str  # "ulysses", "upipe" or "upipe+ov" (pipelined stages)
     heads_per_stage: int
     stages: int
     max_rel_err: float
     tracked_peak_bytes: int
-    model_peak_bytes: int
+    model_peak_bytes: int | None  # closed-form model (None: not modelled, upipe+ov)
     cuda_peak_bytes: int | None
     times_s: list[float] = field(default_factory=list)
     documents: int = 1  # 1: one causal sequence; more: packed documents (cu_seqlens)
+    fwd_sent_bytes: int = 0  # bytes this rank sends to the other ranks in one forward's all-to-alls
+    bwd_sent_bytes: int = 0  # ... in one backward's
 
     @property
     def median_s(self) -> float:
@@ -111,7 +119,25 @@ def _call(strategy, U, x, ws, cfg, group, freqs, cu=None):
               cu_seqlens=cu)
     if strategy == "ulysses":
         return ulysses_attention(x, *ws, **kw)
-    return upipe_attention(x, *ws, heads_per_stage=U, **kw)
+    return upipe_attention(x, *ws, heads_per_stage=U, overlap=strategy == "upipe+ov", **kw)
+
+
+@contextmanager
+def count_sent_bytes(counter: dict, key: str):
+    """Adds to counter[key] the bytes this rank sends to other ranks in every all_to_all_single inside the block
+    (the send buffer's bytes times (C - 1) / C: equal chunks, one of them to itself)."""
+    real = dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        C = dist.get_world_size(group)
+        counter[key] = counter.get(key, 0) + input.numel() * input.element_size() * (C - 1) // C
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counted
+    try:
+        yield counter
+    finally:
+        dist.all_to_all_single = real
 
 
 def _fwd_bwd(strategy, U, x, ws, dout, cfg, group, freqs, cu=None):
@@ -145,7 +171,8 @@ def strategies(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
     us = list(cfg.heads_per_stage) or legal_heads_per_stage(cfg.num_heads, cfg.num_kv_heads, C)
     for u in us:
         make_schedule(cfg.num_heads, cfg.num_kv_heads, C, u)  # raises a clear error for an illegal U
-    return [("ulysses", cfg.num_heads)] + [("upipe", u) for u in us]
+    return [("ulysses", cfg.num_heads)] + [(name, u) for u in us
+                                           for name in (("upipe", "upipe+ov") if cfg.overlap else ("upipe",))]
 
 
 def check(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
@@ -172,9 +199,10 @@ def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -
                 raise AssertionError(f"{strategy} U={U}{' with documents' if layout is not None else ''}: relative "
                                      f"error {err:.3e} against the float64 reference exceeds "
                                      f"{CHECK_TOL[cfg.dtype]:.0e}; refusing to time a wrong kernel")
-            model = attention_memory(shape, U, ulysses=strategy == "ulysses")  # one sequence's (no documents)
+            model = None if strategy == "upipe+ov" else \
+                attention_memory(shape, U, ulysses=strategy == "ulysses").peak_bytes  # one sequence's (no documents)
             sched = make_schedule(cfg.num_heads, cfg.num_kv_heads, C, U)
-            results.append(StrategyResult(strategy, U, sched.num_stages, err, 0, model.peak_bytes, None,
+            results.append(StrategyResult(strategy, U, sched.num_stages, err, 0, model, None,
                                           documents=1 if layout is None else len(layout) - 1))
             cus.append(layout)
 
@@ -188,10 +216,15 @@ def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
+        sent: dict[str, int] = {}
         with PeakMemoryTracker() as mem:
-            out, grads = _fwd_bwd(res.strategy, res.heads_per_stage, x, ws, dout, cfg, group, freqs, layout)
+            with count_sent_bytes(sent, "fwd"):
+                out = _call(res.strategy, res.heads_per_stage, x, ws, cfg, group, freqs, layout)
+            with count_sent_bytes(sent, "bwd"):
+                grads = torch.autograd.grad(out, [x, *ws], dout)
             del out, grads
         res.tracked_peak_bytes = mem.peak_bytes
+        res.fwd_sent_bytes, res.bwd_sent_bytes = sent.get("fwd", 0), sent.get("bwd", 0)
         if device.type == "cuda":
             torch.cuda.synchronize()
             res.cuda_peak_bytes = torch.cuda.max_memory_allocated() - base
@@ -224,6 +257,7 @@ def report(cfg: BenchConfig, C: int, device: str, results: list[StrategyResult])
         + (f"; packed documents of about {cfg.doc_len} tokens vs one causal sequence" if docs else ""),
         f"{'strategy':>8} {'U':>4} {'stages':>6} " + (f"{'docs':>6} " if docs else "")
         + f"{'rel err':>9} {'peak MiB':>9} {'model MiB':>9} {'peak/uly':>8} {'ms (median)':>11} {'time/uly':>8}"
+        + f" {'sent fwd MiB':>12} {'sent bwd MiB':>12}"
         + (f" {'peak docs/1seq':>14} {'time docs/1seq':>14}" if docs else ""),
     ]
     rows = []
@@ -233,8 +267,10 @@ def report(cfg: BenchConfig, C: int, device: str, results: list[StrategyResult])
                            "peak_ratio_vs_ulysses": r.tracked_peak_bytes / base.tracked_peak_bytes,
                            "time_ratio_vs_ulysses": r.median_s / base.median_s}
         line = (f"{r.strategy:>8} {r.heads_per_stage:>4} {r.stages:>6} " + (f"{r.documents:>6} " if docs else "")
-                + f"{r.max_rel_err:>9.2e} {r.tracked_peak_bytes / 2**20:>9.2f} {r.model_peak_bytes / 2**20:>9.2f} "
-                f"{row['peak_ratio_vs_ulysses']:>8.3f} {r.median_s * 1e3:>11.1f} {row['time_ratio_vs_ulysses']:>8.3f}")
+                + f"{r.max_rel_err:>9.2e} {r.tracked_peak_bytes / 2**20:>9.2f} "
+                + (f"{r.model_peak_bytes / 2**20:>9.2f} " if r.model_peak_bytes is not None else f"{'-':>9} ")
+                + f"{row['peak_ratio_vs_ulysses']:>8.3f} {r.median_s * 1e3:>11.1f} {row['time_ratio_vs_ulysses']:>8.3f}"
+                f" {r.fwd_sent_bytes / 2**20:>12.2f} {r.bwd_sent_bytes / 2**20:>12.2f}")
         if r.documents > 1:
             row |= {"peak_ratio_vs_one_sequence": r.tracked_peak_bytes / single.tracked_peak_bytes,
                     "time_ratio_vs_one_sequence": r.median_s / single.median_s}
