@@ -235,6 +235,39 @@ def memory_run(kernel: str, N: int, strategy: str, U: int | None) -> dict:
             "ok": mem.peak_bytes <= 1.01 * model}
 
 
+# ---------------------------------------------------------------------------------------------- stage timing
+TIMING_CASES = (("ulysses", None), ("upipe", 1), ("upipe", 16))  # C = 1: U = C and U = H/2 of Llama3-8B
+
+
+def stage_timing(kernel: str, N: int = 131072, iters: int = 3) -> list[dict]:
+    """The kernel cost of staging, isolated: one Llama3-8B layer's attention forward + backward at C = 1 (no
+    communication) for Ulysses, UPipe U = C = 1 and U = H/2 = 16, median of `iters` CUDA-event timings after one
+    warm-up, each with its ratio to Ulysses (measured in this one run)."""
+    H, G, d, D = LLAMA["H"], LLAMA["G"], LLAMA["d"], LLAMA["D"]
+    x = torch.randn(N, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ws = [(torch.randn(n * d, D, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_() for n in (H, G, G)]
+    dout = torch.randn(N, 1, H * d, device="cuda", dtype=torch.bfloat16)
+    kw = dict(num_heads=H, num_kv_heads=G, cp_group=None, rotary_pos_emb=rope_angles(N, d).cuda(), kernel=kernel)
+    rows = []
+    for strategy, U in TIMING_CASES:
+        times = []
+        for it in range(1 + iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = api.upipe_attention(x, *ws, heads_per_stage=U, **kw) if U else api.ulysses_attention(x, *ws, **kw)
+            grads = torch.autograd.grad(out, [x, *ws], dout)
+            end.record()
+            torch.cuda.synchronize()
+            del out, grads
+            if it:
+                times.append(start.elapsed_time(end) / 1e3)
+        rows.append({"kernel": kernel, "strategy": strategy, "U": U or H, "N": N, "seconds": sorted(times)[len(times) // 2]})
+    base = rows[0]["seconds"]
+    for r in rows:
+        r["ratio_vs_ulysses"] = r["seconds"] / base
+    return rows
+
+
 def fit_workspace(rows: list[dict]) -> dict[str, dict]:
     """Per kernel, least squares excess_bytes = constant + slope · q_elements over its memory runs."""
     out = {}
@@ -349,6 +382,11 @@ def main(argv=None) -> int:
     report["nccl_one_rank"] = nccl_one_rank_bytes()
     auto = select_kernel(cuda, dtype, LLAMA["d"], None, call=call).name
     report["auto_kernel"] = auto
+    try:
+        report["stage_timing"] = stage_timing(auto, a.lengths[1])
+    except Exception as e:  # noqa: BLE001 - recorded; the memory runs still go ahead
+        report["stage_timing"] = [{"kernel": auto, "error": f"{type(e).__name__}: {e}"}]
+        torch.cuda.empty_cache()
     runs = [(auto, N, s, U) for N in a.lengths for s, U in MEMORY_CASES]
     runs += [(k, a.lengths[1], s, U) for k in usable if k != auto for s, U in MEMORY_CASES]
     mem_rows, skipped = [], []
@@ -403,6 +441,8 @@ def summary(report: dict) -> str:
                      f"{r['excess_bytes'] / r['q_elements']:>8.2f} {r['seconds']:>6.2f}")
     for r in report["memory_skipped"]:
         lines.append(f"  skipped {r}")
+    for r in report.get("stage_timing", []):
+        lines.append(f"stage timing {r}")
     c = report["constant_terms"]
     lines.append(f"context {c['cuda_context_bytes'] / 2**30:.2f} GiB, fragmentation {c['fragmentation']:.3f}, "
                  f"NCCL one rank {report['nccl_one_rank']}, {report['seconds']:.0f} s")

@@ -3,7 +3,8 @@
 # against the float64 reference (kernel interface; UPipe/Ulysses with the natural API and with grouped views +
 # W_O + fused input norm in both grad_accum modes), one Llama3-8B layer's peak memory at three lengths (measured
 # vs tracked vs the memory model), and the length-independent terms (CUDA context, one-rank NCCL, fragmentation)
-# as a calibration file for the planner. See tools/gpu_check.py for the checks and the calibration format.
+# as a calibration file for the planner, and the kernel cost of staging (one layer fwd+bwd at 128K, C = 1: Ulysses vs
+# UPipe U = 1 and U = 16). See tools/gpu_check.py for the checks and the calibration format.
 # At most 8 minutes: the Python part is killed at 480 s and stops starting memory runs at 420 s (--budget-s).
 #   bash tools/gpu_check.sh [gpu_check.py options]     # results in $OUT (or .): gpu_check.json, gpu_calibration.json
 # Nothing is installed: the device machine has no network. It needs a Python with torch (CUDA); flash-attn and
