@@ -42,6 +42,7 @@ from megatron_upipe.cli import ArgumentParser
 from megatron_upipe.config import (
     Config, ConfigError, Plan, check_paths, load_config, machine_problems, to_yaml, validate,
 )
+from megatron_upipe.training.auto_heads import resolve_auto_heads
 
 PROG = "pretrain_llama.py"
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -169,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(env)
         plan = validate(config, world_size)
         check_paths(config)
+        auto_note = None
+        if plan.heads_per_stage_auto:  # every rank asks the planner (same answer everywhere, no collective)
+            config, auto_note = resolve_auto_heads(config, world_size)
+            plan = validate(config, world_size)
         if args.dry_run:  # --check-machine: all ranks on this node
             local_ranks = plan.world_size if args.check_machine else None
         else:  # torchrun's count of ranks on this node (GPUs are not counted against it without one)
@@ -179,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         report(str(e))
         return 2
     if args.dry_run:
+        if auto_note:
+            print(auto_note)
         print(plan.summary())
         for problem in on_this_machine:
             print(f"{'error' if args.check_machine else 'warning'}: on this machine: {problem}", file=sys.stderr)
@@ -193,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     if env:
         print(f"{PROG}: no torchrun environment: running as a single process (world size 1)", file=sys.stderr)
     if os.environ.get("RANK", "0") == "0":  # the same verdict on every rank: say it once
+        if auto_note:
+            print(f"{PROG}: {auto_note}", flush=True)
         for warning in plan.warnings:
             print(f"{PROG}: warning: {warning}", file=sys.stderr)
     return run_job(config, plan)

@@ -30,6 +30,7 @@ from megatron_upipe.planner.devices import (  # noqa: E402
 from megatron_upipe.planner.estimate import (  # noqa: E402
     ConfigSource, estimate, format_breakdown, format_named, max_context, plot, strategy_config, write_json,
 )
+from megatron_upipe.planner.choose_heads import choose_heads_per_stage  # noqa: E402
 from megatron_upipe.planner.workers import default_jobs  # noqa: E402
 
 PROG = "estimate_memory.py"
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
         vocab = _vocab_size(config, plan)
         gpu_model = resolve_gpu(a.gpu)
         margins = _margins(a, gpu_model, world)
-        strategies = a.strategies.split(",") if a.strategies else [
+        auto = not a.strategies and p_.cp_strategy == "upipe" and p_.upipe_heads_per_stage == "auto"
+        strategies = a.strategies.split(",") if a.strategies else [] if auto else [
             p_.cp_strategy if p_.cp_strategy != "upipe" or p_.upipe_heads_per_stage is None
             else f"upipe:{p_.upipe_heads_per_stage}"]
         for strategy in strategies:  # a name the planner does not know, an illegal U: refused before simulating
@@ -107,7 +109,18 @@ def main(argv=None) -> int:
     print(f"margins ({margins.source}): cuda context {margins.cuda_context_bytes / GIB:.2f} GiB, nccl "
           f"{margins.nccl_bytes / GIB:.2f} GiB, fragmentation {margins.fragmentation:.0%} of the live peak", flush=True)
 
-    results, max_ctx = [], {}
+    results, max_ctx, choice = [], {}, None
+    if auto:  # upipe_heads_per_stage=auto: the largest legal U that fits, as the training job chooses it
+        try:
+            choice = choose_heads_per_stage(source, world, vocab, gpu, margins, jobs=a.jobs, gpu_name=gpu_model.name)
+        except ConfigError as e:
+            return fail(PROG, e)
+        print(f"parallel.upipe_heads_per_stage=auto -> {choice.reason}", flush=True)
+        strategies = [f"upipe:{choice.heads_per_stage}"]
+        if not a.max_context and a.explain is None:
+            results.append(choice.estimate)
+            print("fits: " + format_breakdown(choice.estimate), flush=True)
+            strategies = []
     for strategy in strategies:
         if a.max_context:
             tokens, seen = max_context(source, world, vocab, strategy, gpu, margins, a.max_tokens, jobs=a.jobs)
@@ -126,7 +139,7 @@ def main(argv=None) -> int:
     if a.max_context:
         print("\nmax context per strategy: " + ", ".join(f"{k} {v / 2**20:.3g}M" for k, v in max_ctx.items()))
     if a.json:
-        write_json(a.json, max_ctx, results)
+        write_json(a.json, max_ctx, results, {"heads_choice": choice.to_dict()} if choice is not None else None)
     if a.plot:
         plot(a.plot, results, gpu, f"{os.path.basename(a.config)}: {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB)")
     return 0

@@ -163,8 +163,10 @@ class ParallelConfig:
     # none | ulysses | upipe | TE's p2p, a2a, a2a+p2p. Allowed with cp=1 (one code path for cp sweeps; UPipe's
     # head stages still cut attention memory there).
     cp_strategy: CpStrategy = "none"
-    # U: heads per stage, counted over the cp ranks, out of the heads local to one TP rank; null = smallest legal.
-    upipe_heads_per_stage: int | None = None
+    # U: heads per stage, counted over the cp ranks, out of the heads local to one TP rank; null = smallest legal;
+    # auto = at start-up the memory planner picks the largest legal U (fewest stages) whose plan fits the device
+    # (memory.plan_gpu) and the host at train.seq_length, and prints its choice and why.
+    upipe_heads_per_stage: int | Literal["auto"] | None = None
     sequence_parallel: bool = False  # megatron sequence parallelism inside the TP group (needs tp > 1)
 
     def __post_init__(self) -> None:
@@ -353,6 +355,9 @@ class MemoryConfig:
     # asynchronous all-to-alls and the previous stage's result drains (forward and backward). Same results bit for
     # bit; costs the next stage's buffers in flight (send + receive), which the memory planner counts.
     upipe_overlap: bool = False
+    # The device a start-up plan checks against (parallel.upipe_heads_per_stage=auto): "local" (this GPU's reported
+    # total; not on a machine without one), a planner GPU name (h100-80gb, h200, a100-80gb, ...) or usable GiB.
+    plan_gpu: str | float = "local"
     # ZeRO-3: parameters, fp32 main parameters, gradients and Adam states sharded over the dp x cp ranks
     # (Megatron-FSDP; layers all-gathered just in time). Implies the sharded optimizer (train.distributed_optimizer
     # need not be set). Checkpoints are then saved per rank ("fsdp_per_rank") and resume only in the same tp/pp/cp/dp.

@@ -37,6 +37,7 @@ class Plan:
     seq_length: int
     seq_per_cp_rank: int
     warnings: tuple[str, ...] = ()
+    heads_per_stage_auto: bool = False  # upipe_heads_per_stage=auto, not resolved yet (heads_per_stage is None)
 
     @property
     def upipe_stages(self) -> int | None:
@@ -64,6 +65,8 @@ class Plan:
         if self.heads_per_stage is not None:
             lines.append(f"upipe: {self.heads_per_stage} heads per stage (over the cp ranks), "
                          f"{self.upipe_stages} stages")
+        elif self.heads_per_stage_auto:
+            lines.append("upipe: heads per stage chosen by the memory planner at start-up (auto)")
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
 
@@ -131,13 +134,13 @@ def validate(config: Config, world_size: int) -> Plan:
                       f"per TP rank over the cp ranks without KV replication: choose cp dividing both, or upipe")
     if not (H % p.tp or G % p.tp) and p.cp_strategy in ("ulysses", "upipe"):
         requested = p.upipe_heads_per_stage if p.cp_strategy == "upipe" else local_h
-        try:
-            U = resolve_heads_per_stage(local_h, local_g, p.cp, requested)
+        try:  # auto: some legal U must exist (the smallest is checked); the planner picks one at start-up
+            U = resolve_heads_per_stage(local_h, local_g, p.cp, None if requested == "auto" else requested)
         except ValueError as e:
             key = "parallel.upipe_heads_per_stage" if p.upipe_heads_per_stage is not None else "parallel.cp"
             errors.append(f"{key}: parallel.cp_strategy={p.cp_strategy} with {local_h} query / {local_g} KV heads "
                           f"per TP rank (tp={p.tp}) and cp={p.cp}: {e}")
-        U = U if p.cp_strategy == "upipe" else None
+        U = U if p.cp_strategy == "upipe" and requested != "auto" else None
 
     # context-parallel implementation (whether TransformerEngine is installed is machine.py's question)
     if p.cp_strategy in TE_CP_STRATEGIES and config.dist.backend == "gloo":
@@ -231,7 +234,8 @@ def validate(config: Config, world_size: int) -> Plan:
     if errors:
         raise_all(errors, f"{len(errors)} problem(s) with this configuration at world size {world_size}:")
     return Plan(world_size, dp, gbs, n_micro, arch, vocab, local_h, local_g, U, t.seq_length,
-                t.seq_length // p.cp, tuple(warnings))
+                t.seq_length // p.cp, tuple(warnings),
+                heads_per_stage_auto=p.cp_strategy == "upipe" and p.upipe_heads_per_stage == "auto")
 
 
 def raise_all(problems: list[str], header: str) -> None:

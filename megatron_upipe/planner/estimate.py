@@ -203,9 +203,9 @@ def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy
     return lo * CONTEXT_STEP, seen
 
 
-def write_json(path: str, max_ctx: dict[str, int], results: list[Estimate]) -> None:
+def write_json(path: str, max_ctx: dict[str, int], results: list[Estimate], extra: dict | None = None) -> None:
     with open(path, "w") as f:
-        json.dump({"max_context": max_ctx, "results": [
+        json.dump((extra or {}) | {"max_context": max_ctx, "results": [
             {"strategy": r.strategy, "seq_length": r.seq_length, "peak_bytes": r.peak_bytes, "fits": r.fits,
              "breakdown": r.breakdown, "host_bytes": r.host_bytes, "host_breakdown": r.host_breakdown,
              "host_bytes_per_node": r.host_bytes_per_node, "host_mem_bytes": r.host_mem_bytes,

@@ -44,6 +44,9 @@ def resolve_backend(backend: str) -> str:
 
 
 def layout_of(config: Config, plan: Plan) -> ParallelLayout:
+    if plan.heads_per_stage_auto:
+        raise RuntimeError("parallel.upipe_heads_per_stage=auto was not resolved before the job started (pretrain_llama "
+                           "resolves it with training/auto_heads.py)")
     p = config.parallel
     return ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=plan.dp, sequence_parallel=p.sequence_parallel,
                           cp_strategy=p.cp_strategy, upipe_heads_per_stage=plan.heads_per_stage)

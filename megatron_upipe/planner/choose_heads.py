@@ -1,0 +1,55 @@
+"""`parallel.upipe_heads_per_stage=auto`: the largest legal U whose plan fits.
+
+U trades memory for speed: the head-proportional attention buffers scale with U/C, while every stage costs its
+own kernel calls, projections and all-to-alls, so fewer, larger stages (a larger U) run faster (the paper's
+trade-off; there is no step-time model yet to rank them otherwise). `choose_heads_per_stage` simulates the legal
+U values from the largest down with the memory planner (`estimate`: device and host) and takes the first that
+fits; if none does, it says by how much the smallest misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_upipe.attention import legal_heads_per_stage
+from megatron_upipe.config import ConfigError, validate
+from megatron_upipe.planner.estimate import GIB, ConfigSource, Estimate, estimate
+
+
+@dataclass(frozen=True)
+class HeadsChoice:
+    heads_per_stage: int
+    reason: str
+    tried: tuple[tuple[int, int, bool], ...]  # (U, planned peak bytes per GPU, fits device and host), as simulated
+    estimate: Estimate  # the chosen U's plan
+
+    def to_dict(self) -> dict:
+        return {"heads_per_stage": self.heads_per_stage, "reason": self.reason,
+                "tried": [{"U": u, "peak_bytes": b, "fits": f} for u, b, f in self.tried]}
+
+
+def choose_heads_per_stage(source: ConfigSource, world_size: int, vocab_size: int, gpu_mem_bytes: int, margins,
+                           jobs: int = 1, gpu_name: str = "the GPU") -> HeadsChoice:
+    """The largest legal U of `source`'s UPipe layout whose plan fits; ConfigError when none does."""
+    config = source.load()
+    plan = validate(config, world_size)
+    legal = legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp)
+    seq = config.train.seq_length
+    tried = []
+    for U in sorted(legal, reverse=True):
+        est = estimate(source, world_size, vocab_size, f"upipe:{U}", seq, gpu_mem_bytes, margins, jobs=jobs)
+        tried.append((U, est.peak_bytes, est.fits))
+        if est.fits:
+            larger = "" if len(tried) == 1 else \
+                f"; larger U do not fit ({', '.join(f'U={u}: {b / GIB:.2f} GiB' for u, b, _ in tried[:-1])})"
+            host = f", host {est.host_bytes_per_node / GIB:.0f} of {est.host_mem_bytes / GIB:.0f} GiB per node" \
+                if est.host_mem_bytes else ""
+            n = plan.local_heads // U
+            return HeadsChoice(U, f"U={U} ({n} stage{'s' if n > 1 else ''}): the largest legal U whose plan fits "
+                                  f"{gpu_name} at {seq} tokens ({est.peak_bytes / GIB:.2f} of "
+                                  f"{gpu_mem_bytes / GIB:.2f} GiB{host}){larger}", tuple(tried), est)
+    U, peak, _ = tried[-1]
+    raise ConfigError(f"parallel.upipe_heads_per_stage=auto: no legal U ({', '.join(map(str, legal))}) fits "
+                      f"{gpu_name} at train.seq_length={seq}: the smallest, U={U}, plans {peak / GIB:.2f} GiB of "
+                      f"{gpu_mem_bytes / GIB:.2f} (or exceeds the host memory); shorten train.seq_length, add memory "
+                      f"switches (memory.recompute=full, memory.offload_checkpoints, ...) or use more GPUs")

@@ -1,0 +1,59 @@
+"""Start-up resolution of `parallel.upipe_heads_per_stage=auto` (planner/choose_heads.py picks the U).
+
+Every rank runs it before the process group exists, on the same config and world size, so every rank gets the
+same U without a collective. The planner runs in a subprocess (tools/estimate_memory.py on the config written out
+as YAML, as training/memory_check.py does: the planner builds its own fake process group) with no GPU visible and
+one simulation at a time. The device it plans against is `memory.plan_gpu`: "local" is this rank's GPU as it
+reports its total (torch.cuda.get_device_properties), passed on as usable GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from megatron_upipe.config import Config, ConfigError, load_config, to_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def plan_gpu_spec(config: Config) -> str:
+    """memory.plan_gpu as tools/estimate_memory.py's --gpu takes it ("local" resolved to this GPU's GiB)."""
+    spec = config.memory.plan_gpu
+    if spec != "local":
+        return str(spec)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("parallel.upipe_heads_per_stage=auto plans against memory.plan_gpu=local, but this machine "
+                          "has no GPU: set memory.plan_gpu to the GPUs the job will run on (h100-80gb, h200, ... or "
+                          "usable GiB)")
+    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+    return f"{props.total_memory / 2**30:.4f}"
+
+
+def resolve_auto_heads(config: Config, world_size: int, timeout_s: float = 1800.0) -> tuple[Config, str]:
+    """`config` with upipe_heads_per_stage=auto replaced by the planner's U, and the one-line reason; ConfigError
+    (the planner's own message) when no legal U fits."""
+    gpu = plan_gpu_spec(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, out = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
+        cfg.write_text(to_yaml(config))
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "tools" / "estimate_memory.py"), "--config", str(cfg), "--world-size",
+             str(world_size), "--gpu", gpu, "--jobs", "1", "--json", str(out)],
+            capture_output=True, text=True, timeout=timeout_s,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+        )
+        if proc.returncode == 2:  # the planner refused: its one-line reason
+            raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("estimate_memory.py: error: "))
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"parallel.upipe_heads_per_stage=auto: the memory planner failed (exit "
+                               f"{proc.returncode}):\n{proc.stderr[-3000:]}")
+        choice = json.loads(out.read_text())["heads_choice"]
+        resolved = load_config(str(cfg), [f"parallel.upipe_heads_per_stage={choice['heads_per_stage']}"])
+    return resolved, f"parallel.upipe_heads_per_stage=auto -> {choice['reason']}"
