@@ -113,11 +113,9 @@ def test_document_mask_needs_the_op_and_micro_batch_1(overrides, message):
         validate(load_config(str(root / "examples/configs/tiny_cpu.yaml"), overrides), 2)
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("scaling", [None, ("linear", 4.0), ("llama3", 8.0), ("yarn", 4.0), "interpolation"])
-def test_rope_angles_of_positions_are_the_rows_of_megatrons_table(scaling, interleaved):
-    """Packed documents take the RoPE angles of in-document positions from RankRowsRotaryEmbedding.angles_at
-    instead of a table of the longest document's rows: bit for bit those rows of megatron-core's get_emb."""
+def _rope_rows_job(rank, world_size):
+    """In a spawned process: megatron's get_emb moves inv_freq to "cuda", which needs the CPU patches, and those
+    must not leak into the test process (they change torch's factory functions for every later test)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_upipe.compat.cpu import install_cpu_patches
@@ -127,16 +125,31 @@ def test_rope_angles_of_positions_are_the_rows_of_megatrons_table(scaling, inter
 
     install_cpu_patches()
     rot, theta, n = 16, 500000.0, 70_000
-    inner = RotaryEmbedding(rot, 1.0, rotary_interleaved=interleaved, rotary_base=theta,
-                            seq_len_interpolation_factor=3.0 if scaling == "interpolation" else None)
-    if isinstance(scaling, tuple):
-        apply_rope_scaling(inner, theta, rot, RopeScaling(*scaling, original_max_position_embeddings=8192))
-    table = inner.get_emb(n)  # [n, 1, 1, rot]
     positions = torch.cat([torch.arange(5), torch.randint(0, n, (4000,), generator=torch.Generator().manual_seed(0)),
                            torch.tensor([n - 1])])
-    wrapper = RankRowsRotaryEmbedding(inner, _OneRank())
-    assert torch.equal(wrapper.angles_at(positions), table[positions])
-    assert wrapper(n, packed_seq=True).shape == (0, 1, 1, rot)  # no table for packed documents
+    results = {}
+    for interleaved in (False, True):
+        for scaling in (None, ("linear", 4.0), ("llama3", 8.0), ("yarn", 4.0), "interpolation"):
+            inner = RotaryEmbedding(rot, 1.0, rotary_interleaved=interleaved, rotary_base=theta,
+                                    seq_len_interpolation_factor=3.0 if scaling == "interpolation" else None)
+            if isinstance(scaling, tuple):
+                apply_rope_scaling(inner, theta, rot, RopeScaling(*scaling, original_max_position_embeddings=8192))
+            table = inner.get_emb(n)  # [n, 1, 1, rot]
+            wrapper = RankRowsRotaryEmbedding(inner, _OneRank())
+            results[(interleaved, str(scaling))] = (torch.equal(wrapper.angles_at(positions), table[positions]),
+                                                    tuple(wrapper(n, packed_seq=True).shape))
+    return results
+
+
+def test_rope_angles_of_positions_are_the_rows_of_megatrons_table():
+    """Packed documents take the RoPE angles of in-document positions from RankRowsRotaryEmbedding.angles_at
+    instead of a table of the longest document's rows: bit for bit those rows of megatron-core's get_emb, for
+    every RoPE scaling, interleaved or not; and the rotary module makes no table for a packed batch."""
+    results = run_on_ranks(_rope_rows_job, 1)[0]
+    assert len(results) == 10
+    for case, (equal, packed_shape) in results.items():
+        assert equal, case
+        assert packed_shape == (0, 1, 1, 16), case
 
 
 class _OneRank:
