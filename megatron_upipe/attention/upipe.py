@@ -194,6 +194,16 @@ def _project_to_heads(rows_in: _Rows, w_rows, rope, s, b, C, h, op: StageOp, bia
     return seq_to_head(send, op.group, async_op), pre  # [N, b, h, d]
 
 
+def _project_kv(rows_in: _Rows, w_k, w_v, b_k, b_v, k_norm_w, kv, rope, s, b, op: StageOp):
+    """A KV round's K and V in head layout [N, b, n_kv, d] each (InFlights of them with op.overlap): the rows kv
+    [C·n_kv] of w_k / w_v (+ biases), K with QK-norm and RoPE."""
+    C, n_kv = op.schedule.cp_size, op.schedule.kv_per_rank
+    return (_project_to_heads(rows_in, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv), k_norm_w,
+                              async_op=op.overlap)[0],
+            _project_to_heads(rows_in, w_v[kv], None, s, b, C, n_kv, op, _bias_rows(b_v, kv),
+                              async_op=op.overlap)[0])
+
+
 def _heads_to_rows(g_head, rope, s, b, op: StageOp) -> torch.Tensor:
     """Gradient in head layout [N, b, h, d] -> all-to-all -> inverse RoPE -> [s·b, C·h·d] (rank-major heads)."""
     return _seq_to_rows(head_to_seq(g_head, op.group), rope, s, b)
@@ -297,11 +307,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b
         st, (gi, ji) = sched.stages[i], stage_rows[i]
         kv_p = None
         if st.new_round:
-            kv = round_kv[st.round_index]
-            kv_p = (_project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv), k_norm_w,
-                                      async_op=ov)[0],  # [N, b, n_kv, d]
-                    _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op, _bias_rows(b_v, kv),
-                                      async_op=ov)[0])  # [N, b, n_kv, d]
+            kv_p = _project_kv(xin, w_k, w_v, b_k, b_v, k_norm_w, round_kv[st.round_index], rope, s, b, op)
         q_p, _ = _project_to_heads(xin, w_q[gi, ji], rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)), q_norm_w,
                                    async_op=ov)  # [N, b, m, d]
         return kv_p, q_p
@@ -437,11 +443,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         w_rows = w_q[gi, ji]  # [U, d, D] (a gathered copy, kept until the stage's dq is added)
         if not op.save_heads:
             if st.new_round:
-                kv = round_kv[st.round_index]
-                kv_p = (_project_to_heads(xin, w_k[kv], rope, s, b, C, n_kv, op, _bias_rows(b_k, kv), k_norm_w,
-                                          async_op=ov)[0],  # [N, b, n_kv, d]
-                        _project_to_heads(xin, w_v[kv], None, s, b, C, n_kv, op, _bias_rows(b_v, kv),
-                                          async_op=ov)[0])  # [N, b, n_kv, d]
+                kv_p = _project_kv(xin, w_k, w_v, b_k, b_v, k_norm_w, round_kv[st.round_index], rope, s, b, op)
             q_p, q_pre = _project_to_heads(xin, w_rows, rope, s, b, C, m, op, _bias_rows(b_q, (gi, ji)),
                                            q_norm_w, keep_pre=True, async_op=ov)  # [N, b, m, d]; pre-norm q
             o_p = seq_to_head(_gather_heads(out_shbd, heads, C), op.group, async_op=ov)  # [N, b, m, d]
