@@ -11,7 +11,7 @@ checked on a GPU by tools/gpu_check.sh), at H 32, H_kv 8, d 128, D 4096, N = 1M 
 1. every output and gradient of the op (grouped weight views of one fused QKV weight, with W_O and the fused
    input norm, both grad_accum modes; the same plus QKV bias (grouped views of one fused QKV bias, Qwen2.5) and
    QK-norm (Qwen3; these are also Qwen3-8B's shapes); the natural-weight API without them): shape, dtype, device,
-   contiguity; UPipe at U = 8 and 16 and Ulysses;
+   contiguity; UPipe at U = 8 and 16 and Ulysses; UPipe also with pipelined stages (async all-to-alls);
 2. each kernel call at the stage's real views: out like q, lse float32 in the kernel's own shape (flash [b, h, N],
    efficient [b, h, N padded to 32], cuDNN [b, h, N, 1]), dq like q, dK/dV with the KV heads (not expanded);
 3. the planner's stand-in for the kernel (`planning_kernel`, run on fake CPU tensors as the planner runs the op)
@@ -105,9 +105,11 @@ def _inputs(device, s, b=1, fused=True):
                torch.empty(G * d, D, **mk).requires_grad_()), None, None, rope
 
 
-def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False, qk_extras=False, cu_seqlens=None):
+def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False, qk_extras=False, cu_seqlens=None,
+                overlap=False):
     """Run the op forward and its backward function; (problems, tracked peak or None). qk_extras (with fused):
-    QKV bias and QK-norm as well; cu_seqlens: packed documents."""
+    QKV bias and QK-norm as well; cu_seqlens: packed documents; overlap: UPipe's pipelined stages (async
+    all-to-alls on the fake process group)."""
     from megatron_upipe.attention import api
     from megatron_upipe.memory.tracker import PeakMemoryTracker
 
@@ -125,7 +127,7 @@ def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=Fal
             kw = dict(cp_group=group, rotary_pos_emb=rope, kernel=kernel, grad_accum=grad_accum, w_o=w_o, norm_w=norm_w,
                       **extras, **extras_kw)
             out = (api.ulysses_attention_grouped(x, wq, wk, wv, **kw) if strategy == "ulysses" else
-                   api.upipe_attention_grouped(x, wq, wk, wv, heads_per_stage=U, **kw))
+                   api.upipe_attention_grouped(x, wq, wk, wv, heads_per_stage=U, overlap=overlap, **kw))
         else:
             kw = dict(num_heads=H, num_kv_heads=G, cp_group=group, rotary_pos_emb=rope, kernel=kernel, **extras_kw)
             out = (api.ulysses_attention(x, wq, wk, wv, **kw) if strategy == "ulysses" else
@@ -421,6 +423,10 @@ def _all_contracts(rank, world_size):
                 op_cases.append(((name, strategy, U, "fp32", "natural"), problems))
                 problems, _ = _op_outputs(name, strategy, U, "fp32", True, "cuda", dist.group.WORLD, qk_extras=True)
                 op_cases.append(((name, strategy, U, "fp32", "grouped+w_o+norm+qkv_bias+qk_norm"), problems))
+                if strategy == "upipe":
+                    problems, _ = _op_outputs(name, strategy, U, "fp32", True, "cuda", dist.group.WORLD,
+                                              overlap=True)
+                    op_cases.append(((name, strategy, U, "fp32", "grouped+w_o+norm, pipelined stages"), problems))
             kernel_problems[name] = _kernel_contract(name, "cpu")
             for strategy, U in (("upipe", 16), ("ulysses", None)):
                 _, gpu_peak = _op_outputs(name, strategy, U, "fp32", True, "cuda", dist.group.WORLD, track=True)
@@ -440,8 +446,8 @@ def contracts():
 
 def test_every_aten_cuda_kernel_ran_under_fake_cuda(contracts):
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(contracts["names"]), contracts["skipped"]
-    # 3 strategies x (2 grad_accum + natural + with QKV bias and QK-norm)
-    assert len(contracts["op_cases"]) == 3 * 4 * len(contracts["names"])
+    # 3 strategies x (2 grad_accum + natural + with QKV bias and QK-norm), and the 2 UPipe ones pipelined
+    assert len(contracts["op_cases"]) == (3 * 4 + 2) * len(contracts["names"])
 
 
 def test_outputs_and_gradients_of_the_op_keep_their_contract(contracts):
