@@ -30,9 +30,18 @@ def _dry_run(*overrides):
 
 
 def _plans(gpu_gib: float) -> dict[int, tuple[int, bool]]:
-    """Every legal U's plan, one estimate each (the brute force the choice must agree with)."""
+    """Every legal U's plan, one estimate each (the brute force the choice must agree with), in a spawned process:
+    the planner installs the CPU patches, which must not leak into the test process."""
+    return run_on_ranks(_plans_job, 1, gpu_gib)[0]
+
+
+def _plans_job(rank, world_size, gpu_gib):
+    import torch.distributed as dist
+
     from megatron_upipe.planner.devices import margins_for, resolve_gpu
     from megatron_upipe.planner.estimate import ConfigSource, estimate
+
+    dist.destroy_process_group()  # the planner makes its own fake one
 
     gpu = resolve_gpu(str(gpu_gib))
     source = ConfigSource(str(ROOT / "examples/configs/tiny_cpu.yaml"),
