@@ -184,11 +184,14 @@ def _inflight_job(rank, world_size):
         for U in legal_heads_per_stage(H, G, C)[:2]:
             t = _inputs(3, 256 * C, H, G, torch.float32)
             for overlap in (False, True):
-                calls.clear()
-                state.update({"async": 0, "sync": 0})
-                with PeakMemoryTracker() as mem:
-                    _run(rank, C, group, t, (), {}, overlap, U)
-                out[(U, overlap)] = (list(calls), dict(state), mem.peak_bytes)
+                peaks = []
+                for _ in range(3):  # gloo's worker thread may drop its references to a collective's buffers a
+                    calls.clear()  # moment late, adding one buffer to a peak now and then: the smallest is the op's
+                    state.update({"async": 0, "sync": 0})
+                    with PeakMemoryTracker() as mem:
+                        _run(rank, C, group, t, (), {}, overlap, U)
+                    peaks.append(mem.peak_bytes)
+                out[(U, overlap)] = (list(calls), dict(state), min(peaks))
             sched = make_schedule(H, G, C, U)
             N = 256 * C
             out[(U, "bytes")] = (N * sched.q_per_rank * d * 4, N * sched.kv_per_rank * d * 4, len(sched.stages),
