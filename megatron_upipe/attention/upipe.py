@@ -448,13 +448,13 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
                                            q_norm_w, keep_pre=True, async_op=ov)  # [N, b, m, d]; pre-norm q
             o_p = seq_to_head(_gather_heads(out_shbd, heads, C), op.group, async_op=ov)  # [N, b, m, d]
         if st.new_round and not ov:
-            accs = new_accs(n_kv)
+            accs = new_accs()
         do_send = _gather_heads(dout_shbd, heads, C) if w_o is None else _dout_heads(dy2, w_o, heads, s, b, C, d)
         do_p = seq_to_head(do_send, op.group, async_op=ov)  # [C, s, b, m, d] -> [N, b, m, d]
         return kv_p, q_p, q_pre, o_p, do_p, accs, w_rows
 
-    def new_accs(heads):  # dK, dV of a KV round: [N, b, n_kv, d] each, in the accumulation dtype
-        return tuple(torch.zeros((C * s, b, heads, d), dtype=acc, device=x.device) for _ in range(2))
+    def new_accs():  # dK, dV of a KV round: [N, b, n_kv, d] each, in the accumulation dtype
+        return tuple(torch.zeros((C * s, b, n_kv, d), dtype=acc, device=x.device) for _ in range(2))
 
     def finish_dq(rows, q_pre, w_rows, gi, ji):  # a stage's dq rows [s·b, U·d] (inverse RoPE done) into dx, dW_Q
         if q_norm_w is not None:
@@ -467,6 +467,9 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         add_input_grad(rows, w_rows.view(-1, D))
         if needs_dw:
             dw_q[gi, ji] = xin.t_mm(rows).view(-1, d, D)
+
+    def drain(pending):  # ov: a stage's dq all-to-all in flight (dq_p, q_pre, w_rows, gi, ji) -> finish_dq
+        finish_dq(_seq_to_rows(_ready(pending[0]), rope, s, b), *pending[1:])
 
     k_head = v_head = dk_acc = dv_acc = None
     nxt = launch(0) if ov else None
@@ -487,12 +490,12 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         do_head = _ready(do_p)  # [N, b, m, d]
         del kv_p, q_p, o_p, do_p
         if st.new_round:
-            dk_acc, dv_acc = accs if accs is not None else new_accs(k_head.shape[2])
+            dk_acc, dv_acc = accs if accs is not None else new_accs()
         del accs
         if ov and idx + 1 < len(sched.stages):
             nxt = launch(idx + 1)  # in flight during this stage's kernel
         if draining is not None:  # the previous stage's dq (its all-to-all ran during the projections above)
-            finish_dq(_seq_to_rows(_ready(draining[0]), rope, s, b), *draining[1:])
+            drain(draining)
             draining = None
         a0, a1 = st.kv_slots
         dq, dk, dv = kernel_backward(
@@ -512,7 +515,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             draining = (dq_p, q_pre, w_rows, gi, ji)
             del dq_p, q_pre, w_rows
             if last_of_round:  # dx adds this stage's dq before the round's dK/dV, as the serial order does
-                finish_dq(_seq_to_rows(_ready(draining[0]), rope, s, b), *draining[1:])
+                drain(draining)
                 draining = None
         else:
             rows = _heads_to_rows(dq.permute(2, 0, 1, 3), rope, s, b, op)  # [s·b, U·d]

@@ -24,7 +24,21 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+
+def tensors_in(tree) -> list:
+    """The tensors in an op's arguments or outputs (nested lists, tuples, dicts): pytree's tensor leaves, without
+    pytree's cost (a dispatch mode sees every op)."""
+    found, todo = [], [tree]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(reversed(x))
+        elif isinstance(x, dict):
+            todo.extend(reversed(list(x.values())))
+    return found
 
 
 class PeakMemoryTracker(TorchDispatchMode):
@@ -80,13 +94,20 @@ class PeakMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # An output sharing an input's storage (a view, an in-place or out= op) is not a new allocation, even when
-        # that input was made before tracking started.
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self.track(t, func)
+        self.track_outputs(func, (args, kwargs), out)
         return out
+
+    def track_outputs(self, func, inputs, out) -> None:
+        """Count every tensor of `out` (op `func`'s result) whose storage no tensor in `inputs` (its arguments, any
+        nesting) shares: an output sharing an input's storage (a view, an in-place or out= op) is not a new
+        allocation, even when that input was made before tracking started. (Also called by the planner's fake
+        mode, which feeds a tracker without running it as a mode.)"""
+        outs = tensors_in(out)
+        if outs:
+            seen = {t.untyped_storage()._cdata for t in tensors_in(inputs)}
+            for t in outs:
+                if t.untyped_storage()._cdata not in seen:
+                    self.track(t, func)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes

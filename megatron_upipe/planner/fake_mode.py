@@ -33,24 +33,11 @@ from contextlib import contextmanager
 import torch
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
 
+from megatron_upipe.memory.tracker import tensors_in
+
 # Metadata queries C++ code makes of a fake tensor (prim.device, sizes, strides, storage offset), answered by
 # FakeTensorMode's own handlers: no tensor in, none out, no memory
 QUERIES = dict(_DISPATCH_META_HANDLERS)
-
-
-def tensors_in(tree) -> list:
-    """The tensors in an op's arguments or outputs (nested lists, tuples, dicts): pytree's tensor leaves, without
-    pytree's cost (the mode sees every op)."""
-    found, todo = [], [tree]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, (list, tuple)):
-            todo.extend(reversed(x))
-        elif isinstance(x, dict):
-            todo.extend(reversed(list(x.values())))
-    return found
 
 
 @functools.cache
@@ -106,8 +93,8 @@ _DENSE = _DenseKey()
 
 class PlannerFakeMode(FakeTensorMode):
     """FakeTensorMode(allow_non_fake_inputs=True) with the rules of the module docstring; `tracking(tracker)`
-    feeds a PeakMemoryTracker (its `track(tensor, func)`) with every new output storage, as the tracker's own
-    dispatch mode would."""
+    feeds a PeakMemoryTracker (its `track_outputs`) with every op's outputs, as the tracker's own dispatch mode
+    would."""
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
@@ -143,14 +130,8 @@ class PlannerFakeMode(FakeTensorMode):
                 out = self._fake(func, types, args, kwargs)
             finally:
                 self._inside -= 1
-        tracker = self._tracker
-        if tracker is not None:
-            outs = tensors_in(out)
-            if outs:
-                seen = {t.untyped_storage()._cdata for t in inputs}
-                for t in outs:
-                    if t.untyped_storage()._cdata not in seen:
-                        tracker.track(t, func)  # called from here: allocation sites count frames from track
+        if self._tracker is not None:
+            self._tracker.track_outputs(func, inputs, out)
         return out
 
     def _cache_key(self, state, func, args, kwargs):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_upipe.config import Config, validate
 from megatron_upipe.memory.tracker import PeakMemoryTracker
-from megatron_upipe.planner.fake_mode import QUERIES, PlannerFakeMode, tensors_in
+from megatron_upipe.planner.fake_mode import PlannerFakeMode
 
 FSDP_GATHERED = "fsdp: gathered params"
 FSDP_GRAD_BUCKETS = "fsdp: grad buckets"
@@ -104,13 +104,16 @@ def _retag_layer_inputs(model, tracker: PeakMemoryTracker):
     return handles
 
 
+_NOT_SITES = ("megatron_upipe/compat/", "megatron_upipe/memory/tracker.py", "megatron_upipe/planner/fake_mode.py")
+
+
 def allocation_site() -> str:
     """'file.py:line function' of the innermost frame in megatron_upipe or megatron-core (the CPU shims of
-    megatron_upipe.compat skipped), else the autograd engine."""
+    megatron_upipe.compat and the tracking machinery skipped), else the autograd engine."""
     frame = sys._getframe(3)
     while frame is not None:
         name = frame.f_code.co_filename
-        if ("megatron_upipe/" in name or "megatron/core/" in name) and "megatron_upipe/compat/" not in name:
+        if ("megatron_upipe/" in name or "megatron/core/" in name) and not any(part in name for part in _NOT_SITES):
             return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "autograd engine"
@@ -192,21 +195,6 @@ class _PlannerTracker(StorageTracker):
     def _free(self, key: int, nbytes: int) -> None:
         self._named.pop(key, None)
         super()._free(key, nbytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """PeakMemoryTracker's, faster: metadata queries pass straight through, and inputs are only looked at when
-        the op returns a tensor (self.track is called from here, as there: allocation_site counts frames)."""
-        kwargs = kwargs or {}
-        if func in QUERIES:
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        outs = tensors_in(out)
-        if outs:
-            inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
-            for t in outs:
-                if t.untyped_storage()._cdata not in inputs:
-                    self.track(t, func)
-        return out
 
     def track(self, t, name="external", category=None) -> None:
         st = t.untyped_storage()
