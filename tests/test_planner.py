@@ -91,6 +91,26 @@ def test_packed_documents_cost_no_rotary_table(simulated):
     assert 0 <= packed.peak_bytes - plain.peak_bytes < table // 4, (packed.peak_bytes, plain.peak_bytes)
 
 
+def _simulate_as_on_a_gpu_machine(rank, world_size, case):
+    torch.distributed.destroy_process_group()  # the planner makes its own fake one
+    torch.cuda.is_available = lambda: True  # what a GPU node answers (no CUDA call follows in this process)
+    from megatron_upipe.planner.simulate import simulate_step
+
+    step = simulate_step(_config(case), 2, VOCAB)
+    return step, torch.cuda.is_available()
+
+
+def test_planner_on_a_gpu_machine_simulates_the_same_step(simulated):
+    """On a GPU node (memory.plan_check, upipe_heads_per_stage=auto, estimate_memory.py there) the planner used to
+    build megatron-core's linear weights as CUDA tensors and its norms on the CPU, and the optimizer refused them
+    (found on a lent H200). It now plans along the CPU path whatever the machine has: same bytes as here."""
+    case = next(iter(CASES))
+    step, available_after = run_on_ranks(_simulate_as_on_a_gpu_machine, 1, case)[0]
+    assert available_after is False  # the planning process is patched as a machine without a GPU
+    assert step.peak_bytes == simulated[case].peak_bytes
+    assert step.breakdown == simulated[case].breakdown
+
+
 def test_estimate_memory_cli_max_context_json_and_plot(tmp_path):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     proc = subprocess.run(

@@ -263,8 +263,45 @@ def stage_timing(kernel: str, N: int = 131072, iters: int = 3) -> list[dict]:
                 times.append(start.elapsed_time(end) / 1e3)
         rows.append({"kernel": kernel, "strategy": strategy, "U": U or H, "N": N, "seconds": sorted(times)[len(times) // 2]})
     base = rows[0]["seconds"]
+    flops = layer_attention_flops(N)
     for r in rows:
         r["ratio_vs_ulysses"] = r["seconds"] / base
+        r["flops"] = flops
+        r["tflop_per_s"] = sum(flops.values()) / r["seconds"] / 1e12
+    return rows
+
+
+def layer_attention_flops(N: int) -> dict[str, float]:
+    """FLOPs of one Llama3-8B attention layer's forward + backward at C = 1 (what stage_timing times): the causal
+    kernel (forward 2·N²·H·d, i.e. two N×N×d products per head at half density; backward 2.5× forward: five
+    products) and the Q/K/V projections (forward 2·N·D·(H + 2·H_kv)·d, backward twice that)."""
+    H, G, d, D = LLAMA["H"], LLAMA["G"], LLAMA["d"], LLAMA["D"]
+    fwd = 2.0 * N * N * H * d
+    proj = 2.0 * N * D * (H + 2 * G) * d
+    return {"attention_kernel": 3.5 * fwd, "qkv_projections": 3.0 * proj}
+
+
+def gemm_rate(shapes=((131072, 4096, 14336), (131072, 14336, 4096), (131072, 4096, 6144)), iters: int = 5) -> list[dict]:
+    """Achieved bf16 TFLOP/s of the MLP and fused-QKV GEMMs of Llama3-8B at 128K tokens ([M, K] @ [K, N]), median of
+    `iters` CUDA-event timings after one warm-up: the compute constant of the step-time model."""
+    rows = []
+    for M, K, N in shapes:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        times = []
+        for it in range(1 + iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            c = a @ b
+            end.record()
+            torch.cuda.synchronize()
+            del c
+            if it:
+                times.append(start.elapsed_time(end) / 1e3)
+        t = sorted(times)[len(times) // 2]
+        rows.append({"M": M, "K": K, "N": N, "seconds": t, "tflop_per_s": 2.0 * M * K * N / t / 1e12})
+        del a, b
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -377,16 +414,32 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "total_bytes": torch.cuda.mem_get_info()[1],
               "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
               "kernels": {n: {"usable": ok, "detail": why} for n, (ok, why) in status.items()}}
+
+    def save() -> None:  # after every section: a run killed at its time limit still leaves what it measured
+        report["seconds"] = time.perf_counter() - t_start
+        with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    save()
     report["kernel_numerics"] = kernel_numerics(usable, cuda)
+    save()
     report["numerics"] = op_numerics(usable, cuda)
+    save()
     report["nccl_one_rank"] = nccl_one_rank_bytes()
     auto = select_kernel(cuda, dtype, LLAMA["d"], None, call=call).name
     report["auto_kernel"] = auto
+    try:
+        report["gemm"] = gemm_rate()
+    except Exception as e:  # noqa: BLE001 - recorded; the rest goes ahead
+        report["gemm"] = [{"error": f"{type(e).__name__}: {e}"}]
+        torch.cuda.empty_cache()
+    save()
     try:
         report["stage_timing"] = stage_timing(auto, a.lengths[1])
     except Exception as e:  # noqa: BLE001 - recorded; the memory runs still go ahead
         report["stage_timing"] = [{"kernel": auto, "error": f"{type(e).__name__}: {e}"}]
         torch.cuda.empty_cache()
+    save()
     runs = [(auto, N, s, U) for N in a.lengths for s, U in MEMORY_CASES]
     runs += [(k, a.lengths[1], s, U) for k in usable if k != auto for s, U in MEMORY_CASES]
     mem_rows, skipped = [], []
@@ -399,14 +452,14 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - e.g. out of memory at the longest length: recorded
             skipped.append({"kernel": kernel, "N": N, "strategy": strategy, "U": U, "why": f"{type(e).__name__}: {e}"})
             torch.cuda.empty_cache()
+        report["memory"], report["memory_skipped"] = mem_rows, skipped
+        save()
     report["memory"], report["memory_skipped"] = mem_rows, skipped
     workspace = fit_workspace(mem_rows) if mem_rows else {}
     context = max(context_at_start, outside_allocator_bytes())
     report["constant_terms"] = {"cuda_context_bytes_at_start": context_at_start, "cuda_context_bytes": context,
                                 "fragmentation": fragmentation(mem_rows), "workspace_fit": workspace}
-    report["seconds"] = time.perf_counter() - t_start
-    with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save()
     if mem_rows:
         measured_with = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                          "kernels": {n: d["detail"] for n, d in report["kernels"].items() if d["usable"]},
@@ -441,6 +494,8 @@ def summary(report: dict) -> str:
                      f"{r['excess_bytes'] / r['q_elements']:>8.2f} {r['seconds']:>6.2f}")
     for r in report["memory_skipped"]:
         lines.append(f"  skipped {r}")
+    for r in report.get("gemm", []):
+        lines.append(f"gemm {r}")
     for r in report.get("stage_timing", []):
         lines.append(f"stage timing {r}")
     c = report["constant_terms"]

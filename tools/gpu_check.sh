@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# The one prepared script for a lent GPU (device tool): which CUDA attention kernels run here and their numerics
-# against the float64 reference (kernel interface; UPipe/Ulysses with the natural API and with grouped views +
-# W_O + fused input norm in both grad_accum modes), one Llama3-8B layer's peak memory at three lengths (measured
-# vs tracked vs the memory model), and the length-independent terms (CUDA context, one-rank NCCL, fragmentation)
-# as a calibration file for the planner, and the kernel cost of staging (one layer fwd+bwd at 128K, C = 1: Ulysses vs
-# UPipe U = 1 and U = 16). See tools/gpu_check.py for the checks and the calibration format.
-# At most 8 minutes: the Python part is killed at 480 s and stops starting memory runs at 420 s (--budget-s).
-#   bash tools/gpu_check.sh [gpu_check.py options]     # results in $OUT (or .): gpu_check.json, gpu_calibration.json
-# Nothing is installed: the device machine has no network. It needs a Python with torch (CUDA); flash-attn and
-# TransformerEngine are checked when importable. gpu_check.py imports only torch and this checkout.
-# Unverified so far: no GPU has been lent to this project yet.
-set -euo pipefail
+# The one prepared script for a lent GPU (device tool), in two parts, each with its own time limit so one failing
+# part leaves the other's results:
+# 1. tools/gpu_check.py (killed at ${GPU_CHECK_S:-300} s): which CUDA attention kernels run here and their numerics
+#    against the float64 reference (kernel interface; UPipe/Ulysses with the natural API and with grouped views +
+#    W_O + fused input norm in both grad_accum modes), bf16 GEMM rates, the kernel cost of staging (one Llama3-8B
+#    layer fwd+bwd at 128K, C = 1: Ulysses vs UPipe U = 1 and U = 16), one layer's peak memory at three lengths
+#    (measured vs tracked vs the memory model) and the length-independent terms (CUDA context, one-rank NCCL,
+#    fragmentation) as a calibration file for the planner. See tools/gpu_check.py.
+# 2. a training run on this one GPU (killed at ${GPU_TRAIN_S:-200} s): tools/gpu_check_train.yaml (four Llama3-8B
+#    layers at 128K tokens with the long recipes' memory stack, UPipe at cp=1, memory.plan_check), then the same with
+#    Ulysses: the planner's prediction beside torch.cuda.max_memory_allocated, and the step times.
+#   bash tools/gpu_check.sh [gpu_check.py options]     # results in $OUT (or .): gpu_check.json,
+#                                                     # gpu_calibration.json, train_*.log, train_*_metrics.jsonl
+# Nothing is downloaded: the device machine has no network. It needs a Python with torch (CUDA); megatron-core for
+# part 2 comes from the Python's packages or from wheels carried in .whl/ (installed into /tmp/site); flash-attn and
+# TransformerEngine are checked when importable.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT="${OUT:-.}"
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv || true
 PY=""
 for cand in "${PYTHON:-}" .venv/bin/python python3 python; do
@@ -25,5 +31,33 @@ if [ -z "$PY" ]; then
   echo "gpu_check.sh: no Python with torch and a visible CUDA device (tried \$PYTHON, .venv/bin/python, python3); set PYTHON" >&2
   exit 2
 fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "gpu_check.sh: $PY ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'))"
-timeout 480 "$PY" tools/gpu_check.py --out "$OUT" "$@"
+"$PY" -c 'import megatron.core as m; print("megatron-core", m.__version__)' || echo "gpu_check.sh: no megatron-core"
+
+rc=0
+if [ "${GPU_CHECK_S:-300}" -gt 0 ]; then  # GPU_CHECK_S=0: the training part only
+  timeout "${GPU_CHECK_S:-300}" "$PY" tools/gpu_check.py --out "$OUT" --budget-s "$(( ${GPU_CHECK_S:-300} - 60 ))" "$@"
+  rc=$?
+  echo "gpu_check.py: exit $rc"
+fi
+
+train() {  # name, overrides...
+  local name=$1; shift
+  local dir="runs/gpu_check_train_$name"
+  rm -rf "$dir"
+  timeout "${GPU_TRAIN_S:-200}" "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port 29533 pretrain_llama.py \
+    --config tools/gpu_check_train.yaml log.metrics_file="$dir/metrics.jsonl" \
+    "$@" >"$OUT/train_$name.log" 2>&1
+  local trc=$?
+  echo "train $name: exit $trc"; tail -n 25 "$OUT/train_$name.log"
+  cp "$dir/metrics.jsonl" "$OUT/train_${name}_metrics.jsonl" 2>/dev/null || true
+  [ $trc -eq 0 ] || rc=1
+}
+train upipe
+[ "${GPU_TRAIN_ULYSSES:-1}" = 0 ] || train ulysses parallel.cp_strategy=ulysses parallel.upipe_heads_per_stage=null
+exit $rc

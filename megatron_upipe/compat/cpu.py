@@ -171,16 +171,22 @@ def _patch_streams() -> None:
     torch.cuda.memory_stats = lambda *a, **k: {}
 
 
-def install_cpu_patches() -> bool:
+def install_cpu_patches(force: bool = False) -> bool:
     """Patch the CUDA assumptions listed in the module docstring; returns whether the patches are active.
 
-    Does nothing on a machine with a GPU. Idempotent. Call it before building megatron-core objects
+    Does nothing on a machine with a GPU unless `force`: then the process is patched as on a machine without one
+    and `torch.cuda.is_available()` reports False from here on. That is for a process that only plans (the memory
+    planner simulates its GPU on fake tensors along the CPU path, the path CI tests, whatever this machine has);
+    never for one that trains. Idempotent. Call it before building megatron-core objects
     (`megatron_upipe.parallel.initialize_parallel` does)."""
     global _INSTALLED
     if _INSTALLED:
         return True
     if torch.cuda.is_available():
-        return False
+        if not force:
+            return False
+        torch.cuda.is_available = lambda: False
+        torch.cuda.device_count = lambda: 0
     _patch_devices()
     _patch_rng()
     _patch_tensor_type()

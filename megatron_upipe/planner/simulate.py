@@ -303,10 +303,14 @@ def simulate_step(config: Config, world_size: int, vocab_size: int, named_bytes:
     Storages of at least `named_bytes` (0: none) are named by allocation site in the result."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from megatron_upipe.compat.cpu import install_cpu_patches
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
 
     if dist.is_initialized():
         raise RuntimeError("simulate_step needs a process without a process group (it creates a fake one)")
+    # The same simulation on a GPU machine as on the CPU machines that test it: without this, megatron-core there
+    # makes the linear weights as (fake) CUDA tensors and the local norms on the CPU, and its optimizer refuses them.
+    install_cpu_patches(force=True)
     plan = validate(config, world_size)
     layout = _layout(config, plan)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

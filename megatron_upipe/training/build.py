@@ -135,9 +135,12 @@ def build_stage(config: Config, plan: Plan, groups: Groups, vocab: int, arch: Ll
     tconfig = llama_transformer_config(arch, groups.layout, dtype=torch.bfloat16 if use_bf16(config) else
                                        torch.float32, init_method_std=config.model.init_method_std,
                                        recompute_granularity=recompute)
-    return build_llama(arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
-                       attention_kernel=config.model.attention_kernel, kernel_device=groups.device,
-                       **memory_switches(config, plan, use_bf16(config), pp_rank=groups.pg.pp.rank()))
+    stage = build_llama(arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
+                        attention_kernel=config.model.attention_kernel, kernel_device=groups.device,
+                        **memory_switches(config, plan, use_bf16(config), pp_rank=groups.pg.pp.rank()))
+    if groups.device.type == "cuda":  # as Megatron-LM's get_model: megatron-core makes its linear layers' weights on
+        stage.model.cuda(groups.device)  # the GPU, but the local spec's norms (torch modules) are made on the CPU
+    return stage
 
 
 def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
