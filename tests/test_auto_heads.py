@@ -51,9 +51,9 @@ def _plans_job(rank, world_size, gpu_gib):
 
 
 def test_dry_run_picks_the_largest_u_that_fits():
-    proc = _dry_run("memory.plan_gpu=4.6")
+    proc = _dry_run("memory.plan_gpu=4.85")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    plans = _plans(4.6)
+    plans = _plans(4.85)
     best = max(U for U, (_, fits) in plans.items() if fits)
     assert best == 4 and not plans[8][1], plans  # the shape is chosen so that the choice is not trivial
     assert f"parallel.upipe_heads_per_stage=auto -> U={best} (2 stages): the largest legal U whose plan fits" \

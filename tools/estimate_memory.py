@@ -9,7 +9,10 @@ Runs rank 0's real model code (build, DDP, optimizer states, one forward/backwar
 fake process group of the full world size, tracks the live tensors, adds the attention kernel's workspace and the
 stated margins (CUDA context, NCCL, fragmentation), and prints a breakdown. Without --max-context it evaluates the
 config's own train.seq_length for each strategy; with it, it finds the longest multiple of 128K tokens that fits.
-Library code: megatron_upipe/planner/.
+For a GPU model with stated speed constants (h100-80gb, h200) each estimate also gets a `time:` line: the
+step-time model's seconds per step and tokens/s per GPU from the FLOPs and collective bytes counted on the same
+fake run (megatron_upipe/planner/step_time.py; calibrated by tools/step_time_report.py). Library code:
+megatron_upipe/planner/.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from megatron_upipe.planner.devices import (  # noqa: E402
     DEFAULT_GPU, GIB, GPUS, NCCL_TOPOLOGIES, margins_for, resolve_gpu,
 )
 from megatron_upipe.planner.estimate import (  # noqa: E402
-    ConfigSource, estimate, format_breakdown, format_named, max_context, plot, strategy_config, write_json,
+    ConfigSource, estimate, format_breakdown, format_named, format_time, max_context, plot, strategy_config, write_json,
 )
 from megatron_upipe.planner.choose_heads import choose_heads_per_stage  # noqa: E402
+from megatron_upipe.planner.step_time import HARDWARE  # noqa: E402
 from megatron_upipe.planner.workers import default_jobs  # noqa: E402
 
 PROG = "estimate_memory.py"
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=positive_int, default=None, help="GPUs (default: the config's "
                    "'# world_size' comment or tp*pp*cp)")
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU model ({', '.join(GPUS)}, local) or usable GiB per GPU; "
-                   f"capacity is what the device reports (default {DEFAULT_GPU}: 79.65 GiB)")
+                   f"capacity is CUDA's total device memory (default {DEFAULT_GPU}: 79.18 GiB)")
     p.add_argument("--nccl-topology", default=None, choices=sorted(NCCL_TOPOLOGIES),
                    help="NCCL margin by topology (default: nvswitch for one node of 8, nvswitch-ib beyond)")
     p.add_argument("--strategies", default=None, help="comma list of none, ulysses, upipe, upipe:U "
@@ -104,6 +108,7 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         return fail(PROG, e)
     gpu = gpu_model.total_bytes
+    hw = HARDWARE.get(gpu_model.name)  # the step-time model's constants, where stated for this GPU model
     print(f"planning {a.config} on {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB: {gpu_model.source}): "
           f"{plan.arch}", flush=True)
     print(f"margins ({margins.source}): cuda context {margins.cuda_context_bytes / GIB:.2f} GiB, nccl "
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
     results, max_ctx, choice = [], {}, None
     if auto:  # upipe_heads_per_stage=auto: the largest legal U that fits, as the training job chooses it
         try:
-            choice = choose_heads_per_stage(source, world, vocab, gpu, margins, jobs=a.jobs, gpu_name=gpu_model.name)
+            choice = choose_heads_per_stage(source, world, vocab, gpu, margins, jobs=a.jobs, gpu_name=gpu_model.name,
+                                            hw=hw)
         except ConfigError as e:
             return fail(PROG, e)
         print(f"parallel.upipe_heads_per_stage=auto -> {choice.reason}", flush=True)
@@ -134,12 +140,15 @@ def main(argv=None) -> int:
                            named_bytes=int((a.explain or 0) * 2**20), jobs=a.jobs)
             results.append(est)
             print(("fits: " if est.fits else "does NOT fit: ") + format_breakdown(est), flush=True)
+            if hw is not None:
+                print("time: " + format_time(est, world, hw), flush=True)
             if a.explain is not None:
                 print(format_named(est), flush=True)
     if a.max_context:
         print("\nmax context per strategy: " + ", ".join(f"{k} {v / 2**20:.3g}M" for k, v in max_ctx.items()))
     if a.json:
-        write_json(a.json, max_ctx, results, {"heads_choice": choice.to_dict()} if choice is not None else None)
+        write_json(a.json, max_ctx, results, {"heads_choice": choice.to_dict()} if choice is not None else None,
+                   world, hw)
     if a.plot:
         plot(a.plot, results, gpu, f"{os.path.basename(a.config)}: {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB)")
     return 0

@@ -12,7 +12,9 @@
    closed-form model (memory/attention_model.py); measured - tracked is the kernel's workspace, fitted per kernel
    as constant + bytes per element of the call's query block [b, N, m, d];
 4. length-independent terms: CUDA context and library handles (device memory used minus torch's reserved pool),
-   a one-rank NCCL communicator, allocator fragmentation (reserved vs allocated peaks, expandable_segments).
+   a one-rank NCCL communicator, allocator fragmentation (reserved vs allocated peaks, expandable_segments);
+5. speed constants of the step-time model: bf16 GEMM TFLOP/s at Llama3-8B's shapes, and one layer's attention
+   fwd+bwd at 128K (C = 1) for Ulysses and UPipe U = 1 and 16 with its TFLOP/s (the kernel cost of staging).
 Writes gpu_check.json (everything) and gpu_calibration.json into --out, and prints a table. Exit status 0 when
 every numerics check passes and no tracked peak exceeds the model; 1 otherwise; 2 without a CUDA device.
 `--dry-run` prints the plan (kernels, shapes, lengths, the model's peaks) on any machine, without a GPU.

@@ -378,6 +378,29 @@ _PLANS: dict[str, tuple[Callable, Callable]] = {
 PLAN_AUTO_AS = "sdpa_flash"  # "auto" is planned as sdpa_flash: te_fused and flash_attn allocate the same bytes
 
 
+@torch.library.custom_op("upipe_plan::attention_work", mutates_args=())
+def attention_work(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> None:
+    """Marks one attention-kernel call of a planning stand-in (q [b, h, Nq, d], k [b, h_kv, Nk, d]) for the
+    planner's work counter (planner/step_time.py), which sees the op and its shapes; computes nothing."""
+
+
+@attention_work.register_fake
+def _(q, k, causal, backward) -> None:
+    return None
+
+
+def _counted(fwd: Callable, bwd: Callable) -> tuple[Callable, Callable]:
+    def counted_fwd(q, k, v, causal, scale):
+        attention_work(q, k, causal, False)
+        return fwd(q, k, v, causal, scale)
+
+    def counted_bwd(dout, q, k, v, out, lse, aux, causal, scale):
+        attention_work(q, k, causal, True)
+        return bwd(dout, q, k, v, out, lse, aux, causal, scale)
+
+    return counted_fwd, counted_bwd
+
+
 def planning_kernel(name: str) -> AttentionKernel:
     """A CPU stand-in for GPU kernel `name` ("auto": PLAN_AUTO_AS) for the planner's fake-tensor step: the same
     dtype, head-dim and GQA behaviour (K/V expansion included) as `name`, and fwd/bwd (and, for packed documents,
@@ -386,7 +409,7 @@ def planning_kernel(name: str) -> AttentionKernel:
     name = PLAN_AUTO_AS if name == "auto" else name
     if name not in _PLANS:
         raise ValueError(f"attention kernel {name!r} has no planning stand-in; plan one of {sorted(_PLANS)} or auto")
-    fwd, bwd = _PLANS[name]
+    fwd, bwd = _counted(*_PLANS[name])
     vfwd, vbwd = vk.VARLEN_PLANS.get(name, (None, None))
     return dataclasses.replace(KERNELS[name], name=f"{name} (planned)", device_type="cpu", fwd=fwd, bwd=bwd,
                                library=None, shape_check=None, varlen_fwd=vfwd, varlen_bwd=vbwd,

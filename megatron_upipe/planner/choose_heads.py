@@ -1,10 +1,12 @@
-"""`parallel.upipe_heads_per_stage=auto`: the largest legal U whose plan fits.
+"""`parallel.upipe_heads_per_stage=auto`: the largest legal U whose plan fits, which is the fastest that fits.
 
 U trades memory for speed: the head-proportional attention buffers scale with U/C, while every stage costs its
-own kernel calls, projections and all-to-alls, so fewer, larger stages (a larger U) run faster (the paper's
-trade-off; there is no step-time model yet to rank them otherwise). `choose_heads_per_stage` simulates the legal
-U values from the largest down with the memory planner (`estimate`: device and host) and takes the first that
-fits; if none does, it says by how much the smallest misses.
+own kernel calls and all-to-all calls. The step-time model (step_time.py) prices exactly that: the same FLOPs at
+every U and, for a smaller U, more all-to-all calls (and as many or more bytes), so its time never falls as U
+shrinks (tests/test_step_time.py checks it over every legal U), and the largest U that fits is the fastest that
+fits. `choose_heads_per_stage` simulates the legal U values from the largest down with the memory planner
+(`estimate`: device and host) and takes the first that fits, with the model's tokens/s when the GPU model has
+stated speed constants; if none fits, it says by how much the smallest misses.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 from megatron_upipe.attention import legal_heads_per_stage
 from megatron_upipe.config import ConfigError, validate
-from megatron_upipe.planner.estimate import GIB, ConfigSource, Estimate, estimate
+from megatron_upipe.planner.estimate import GIB, ConfigSource, Estimate, estimate, step_time
+from megatron_upipe.planner.step_time import Hardware
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class HeadsChoice:
 
 
 def choose_heads_per_stage(source: ConfigSource, world_size: int, vocab_size: int, gpu_mem_bytes: int, margins,
-                           jobs: int = 1, gpu_name: str = "the GPU") -> HeadsChoice:
+                           jobs: int = 1, gpu_name: str = "the GPU", hw: Hardware | None = None) -> HeadsChoice:
     """The largest legal U of `source`'s UPipe layout whose plan fits; ConfigError when none does."""
     config = source.load()
     plan = validate(config, world_size)
@@ -45,9 +48,11 @@ def choose_heads_per_stage(source: ConfigSource, world_size: int, vocab_size: in
             host = f", host {est.host_bytes_per_node / GIB:.0f} of {est.host_mem_bytes / GIB:.0f} GiB per node" \
                 if est.host_mem_bytes else ""
             n = plan.local_heads // U
+            speed = "" if hw is None else \
+                f"; step-time model: {step_time(est, world_size, hw).tokens_per_s_per_gpu:.0f} tokens/s per GPU"
             return HeadsChoice(U, f"U={U} ({n} stage{'s' if n > 1 else ''}): the largest legal U whose plan fits "
-                                  f"{gpu_name} at {seq} tokens ({est.peak_bytes / GIB:.2f} of "
-                                  f"{gpu_mem_bytes / GIB:.2f} GiB{host}){larger}", tuple(tried), est)
+                                  f"{gpu_name} at {seq} tokens, the fastest that fits ({est.peak_bytes / GIB:.2f} of "
+                                  f"{gpu_mem_bytes / GIB:.2f} GiB{host}{speed}){larger}", tuple(tried), est)
     U, peak, _ = tried[-1]
     raise ConfigError(f"parallel.upipe_heads_per_stage=auto: no legal U ({', '.join(map(str, legal))}) fits "
                       f"{gpu_name} at train.seq_length={seq}: the smallest, U={U}, plans {peak / GIB:.2f} GiB of "

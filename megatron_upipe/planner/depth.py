@@ -22,7 +22,7 @@ from megatron_upipe.planner.simulate import StepMemory, preload, simulate_step
 from megatron_upipe.planner.workers import run_all
 
 _LINEAR_INTS = ("peak_bytes", "host_peak_bytes", "model_state_bytes", "num_parameters", "attention_peak_bytes")
-_LINEAR_DICTS = ("breakdown", "attention_peak_breakdown")
+_LINEAR_DICTS = ("breakdown", "attention_peak_breakdown", "work")  # work: FLOPs and bytes grow by a layer's
 
 
 def layers_per_stage(config: Config, world_size: int) -> int:

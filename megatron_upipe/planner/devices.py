@@ -1,7 +1,10 @@
 """What a GPU offers the planner: usable bytes as the device reports them, and the margins outside the tracker.
 
-Capacity is what the driver reports as total memory (`nvidia-smi` memory.total, `torch.cuda.mem_get_info()[1]`),
-not the marketing size: an H100 80GB reports 81,559 MiB = 79.65 GiB. With a GPU present, `local_gpu()` reads it.
+Capacity is CUDA's total device memory (`torch.cuda.mem_get_info()[1]`, cudaDeviceProp.totalGlobalMem), not the
+marketing size and not `nvidia-smi`'s memory.total, which also counts memory the driver keeps for itself: on the
+H200 lent to this project CUDA reported 143,158 MiB where nvidia-smi said 143,771; an H100 80GB reports
+81,082-81,090 MiB to CUDA (79.18 GiB; nvidia-smi: 81,559). The CUDA context comes out of CUDA's total (a margin
+below, or the calibration). With a GPU present, `local_gpu()` reads it.
 
 Margins are memory the step's tracked tensors do not include, each named in the planner's output:
 - CUDA context and library handles (cuBLAS/cuDNN workspaces) outside PyTorch's allocator;
@@ -33,17 +36,23 @@ CALIBRATION_FILE = Path(__file__).resolve().parents[2] / "examples" / "plans" / 
 @dataclass(frozen=True)
 class GPU:
     name: str
-    total_bytes: int  # as the driver reports it
+    total_bytes: int  # CUDA's total device memory
     source: str  # where the figure comes from
 
 
-# Reported totals (nvidia-smi memory.total) of the GPUs our users train on.
+# CUDA's total device memory of the GPUs our users train on (the lowest figure seen where it varies by driver).
 GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU("h100-80gb", 81559 * MIB, "nvidia-smi on H100 SXM5 80GB: 81559 MiB"),
-    GPU("h200", 143771 * MIB, "nvidia-smi on H200 SXM 141GB: 143771 MiB"),
-    GPU("a100-80gb", 81920 * MIB, "nvidia-smi on A100 SXM4/PCIe 80GB: 81920 MiB"),
-    GPU("a100-40gb", 40960 * MIB, "nvidia-smi on A100 SXM4 40GB: 40960 MiB"),
-    GPU("b200", int(178.35 * GIB), "CUDA totalGlobalMem on B200 as publicly reported: 178.35 GiB (not checked here)"),
+    GPU("h100-80gb", 81082 * MIB, "CUDA total of H100 80GB HBM3 as torch prints it in public logs: 81,082-81,090 "
+                                  "MiB (nvidia-smi: 81,559)"),
+    GPU("h200", 150109880320, "torch.cuda.mem_get_info on the H200 lent here, driver 580.159.04: 143,158 MiB "
+                              "(nvidia-smi: 143,771; docs/gpu_results.md)"),
+    GPU("a100-80gb", (81920 - 613) * MIB, "nvidia-smi's 81,920 MiB less 613 MiB, the most by which CUDA's total fell "
+                                          "short of nvidia-smi's on the GPUs seen (A100-40GB 424, H100 477, H200 "
+                                          "613): CUDA's own figure not seen"),
+    GPU("a100-40gb", 40536 * MIB, "CUDA total of A100-SXM4-40GB as printed in public logs: 40,536 MiB "
+                                  "(nvidia-smi: 40,960)"),
+    GPU("b200", 182631 * MIB, "CUDA total of B200 as torch prints it in public logs: 182,631-182,642 MiB "
+                              "(not checked here)"),
 )}
 DEFAULT_GPU = "h100-80gb"
 
@@ -68,7 +77,9 @@ NCCL_TOPOLOGIES: dict[str, NcclMargin] = {
 class Margins:
     """Memory outside the tracker's view, stated rather than hidden (see the module docstring)."""
 
-    cuda_context_bytes: int = int(0.75 * GIB)  # CUDA context, cuBLAS/cuDNN handles (not in torch's allocator)
+    # CUDA context, cuBLAS/cuDNN handles, outside torch's allocator: 0.92 GiB measured on the lent H200 (the H100's
+    # chip, 132 SMs) once cuBLAS, cuDNN and the SDPA kernels had run (torch 2.11, CUDA 13.0); 1 GiB for others.
+    cuda_context_bytes: int = 1 * GIB
     nccl_bytes: int = NCCL_TOPOLOGIES["nvswitch"].bytes
     fragmentation: float = 0.05  # caching-allocator slack over the live peak, with expandable_segments
     source: str = "stated defaults"

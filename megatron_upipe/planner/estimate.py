@@ -24,6 +24,7 @@ from megatron_upipe.memory_stack.host_budget import PLANNER_HOST_GIB, PLANNER_RA
 from megatron_upipe.planner.devices import GIB, Margins
 from megatron_upipe.planner.depth import simulate_deep
 from megatron_upipe.planner.simulate import StepMemory, planned_kernel_name
+from megatron_upipe.planner.step_time import Hardware, StepTime, predict
 
 CONTEXT_STEP = 128 * 1024  # --max-context searches multiples of 128K tokens
 
@@ -79,6 +80,9 @@ class Estimate:
     host_bytes_per_node: int = 0  # per rank x ranks per node + the OS margin
     host_mem_bytes: int = 0  # host RAM per node it is checked against
     host_fits: bool = True
+    work: dict = field(default_factory=dict)  # the step's FLOPs and collective bytes (planner/step_time.py)
+    tokens_per_step: int = 0  # global batch x sequence length
+    overlap_stages: int = 0  # UPipe stages per layer when memory.upipe_overlap pipelines them, else 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -124,9 +128,24 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
     breakdown.update(named_margins)
     total = device + sum(named_margins.values())
     host = plan_host(cfg, world_size, vocab_size, step)
+    plan = validate(cfg, world_size)
+    overlap = plan.upipe_stages if cfg.memory.upipe_overlap and cfg.parallel.cp_strategy == "upipe" else 0
     return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes and host.fits, breakdown, host.per_rank_bytes,
                     gpu_mem_bytes, step.peak_bytes, device, named, host.breakdown, host.per_node_bytes,
-                    host.host_mem_bytes, host.fits)
+                    host.host_mem_bytes, host.fits, dict(step.work or {}), plan.tokens_per_step, overlap or 0)
+
+
+def step_time(est: Estimate, world_size: int, hw: Hardware) -> StepTime:
+    """The step-time model's prediction for an estimate's counted work on `hw` (planner/step_time.py)."""
+    return predict(est.work, hw, est.tokens_per_step, world_size, overlap_stages=est.overlap_stages)
+
+
+def format_time(est: Estimate, world_size: int, hw: Hardware) -> str:
+    t = step_time(est, world_size, hw)
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in t.parts.items() if v)
+    return (f"{est.strategy} @ {est.seq_length}: {t.seconds:.2f} s/step, {t.tokens_per_s_per_gpu:.0f} tokens/s per "
+            f"GPU on {hw.name} (s: {parts}; GEMM {est.work.get('flops:gemm', 0) / 1e12:.0f} and attention "
+            f"{est.work.get('flops:attention', 0) / 1e12:.0f} TFLOP per GPU)")
 
 
 def plan_host(cfg: Config, world_size: int, vocab_size: int, step: StepMemory) -> HostPlan:
@@ -203,14 +222,17 @@ def max_context(source: ConfigSource, world_size: int, vocab_size: int, strategy
     return lo * CONTEXT_STEP, seen
 
 
-def write_json(path: str, max_ctx: dict[str, int], results: list[Estimate], extra: dict | None = None) -> None:
+def write_json(path: str, max_ctx: dict[str, int], results: list[Estimate], extra: dict | None = None,
+               world_size: int = 1, hw: Hardware | None = None) -> None:
     with open(path, "w") as f:
         json.dump((extra or {}) | {"max_context": max_ctx, "results": [
             {"strategy": r.strategy, "seq_length": r.seq_length, "peak_bytes": r.peak_bytes, "fits": r.fits,
              "breakdown": r.breakdown, "host_bytes": r.host_bytes, "host_breakdown": r.host_breakdown,
              "host_bytes_per_node": r.host_bytes_per_node, "host_mem_bytes": r.host_mem_bytes,
              "host_fits": r.host_fits, "tracked_bytes": r.tracked_bytes,
-             "device_bytes": r.device_bytes} for r in results]}, f, indent=1)
+             "device_bytes": r.device_bytes, "work": r.work, "tokens_per_step": r.tokens_per_step,
+             **({"step_time": step_time(r, world_size, hw).to_dict()} if hw is not None else {})}
+            for r in results]}, f, indent=1)
 
 
 def plot(path: str, results: list[Estimate], gpu_mem_bytes: int, title: str) -> None:

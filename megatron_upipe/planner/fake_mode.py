@@ -94,11 +94,12 @@ _DENSE = _DenseKey()
 class PlannerFakeMode(FakeTensorMode):
     """FakeTensorMode(allow_non_fake_inputs=True) with the rules of the module docstring; `tracking(tracker)`
     feeds a PeakMemoryTracker (its `track_outputs`) with every op's outputs, as the tracker's own dispatch mode
-    would."""
+    would, and `counting(counter)` shows a work counter every op."""
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self._tracker = None
+        self._counter = None
         self._inside = 0  # > 0 while FakeTensorMode runs an op (its decompositions re-enter the mode)
         self._placement_matters = True  # of the op whose cache key is being built
 
@@ -109,6 +110,15 @@ class PlannerFakeMode(FakeTensorMode):
             yield tracker
         finally:
             self._tracker = None
+
+    @contextmanager
+    def counting(self, counter):
+        """Show `counter` (planner/step_time.py WorkCounter: FLOPs, collective bytes) every op that enters the mode."""
+        self._counter = counter
+        try:
+            yield counter
+        finally:
+            self._counter = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         query = QUERIES.get(func)
@@ -132,6 +142,8 @@ class PlannerFakeMode(FakeTensorMode):
                 self._inside -= 1
         if self._tracker is not None:
             self._tracker.track_outputs(func, inputs, out)
+        if self._counter is not None:
+            self._counter.count(func, args, kwargs)
         return out
 
     def _cache_key(self, state, func, args, kwargs):

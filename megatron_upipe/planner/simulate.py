@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_upipe.config import Config, validate
 from megatron_upipe.memory.tracker import PeakMemoryTracker
 from megatron_upipe.planner.fake_mode import PlannerFakeMode
+from megatron_upipe.planner.step_time import WorkCounter
 
 FSDP_GATHERED = "fsdp: gathered params"
 FSDP_GRAD_BUCKETS = "fsdp: grad buckets"
@@ -81,6 +82,9 @@ class StepMemory:
     attention_peak_breakdown: dict | None = None
     peak_named: tuple = ()  # (category, allocation site, bytes) of the large storages alive at the peak
     attention_peak_named: tuple = ()
+    # the forward/backward schedule's work, counted on the fake run (planner/step_time.py WorkCounter.totals):
+    # FLOPs, collective bytes and calls; empty for a step on real tensors
+    work: dict | None = None
 
 
 def _layout(config: Config, plan):
@@ -267,7 +271,8 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
                  "loss_mask": torch.ones(b, s)}
         if config.data.document_mask:  # packed documents: one spanning the sequence (the batch's positions are its)
             batch["cu_seqlens"] = torch.tensor([0, plan.seq_length], dtype=torch.int32)  # [2], on the host
-        with _fake_world() if planning else nullcontext():
+        counter = WorkCounter()
+        with _fake_world() if planning else nullcontext(), fake.counting(counter) if fake else nullcontext():
             forward_backward(ddp, iter([batch] * plan.num_microbatches), num_microbatches=plan.num_microbatches,
                              seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size, forward_only=False)
         for h in handles:
@@ -276,7 +281,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     n_params = sum(p.numel() for p in stage.model.parameters())
     step = StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
                       n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown),
-                      tuple(mem.peak_named), tuple(mem.attention_peak_named))
+                      tuple(mem.peak_named), tuple(mem.attention_peak_named), dict(counter.totals) if fake else None)
     return step
 
 

@@ -1,0 +1,136 @@
+"""The step-time model (megatron_upipe/planner/step_time.py): the work the planner counts on its fake run equals
+FLOPs written here and all-to-all bytes measured on a real gloo run of the op; the model prices it as documented;
+the calibration recovers known efficiencies; and its time never falls as UPipe's U shrinks (what `auto` relies on).
+The calibration against the paper is tools/step_time_report.py (its table is in the README)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_upipe.config import load_config
+from tests.dist_helper import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, N, C = 256, 512, 2
+L, D, H, G, d, FFN = 2, 64, 8, 2, 8, 160  # tiny-gqa
+BASE = ["model.preset=tiny-gqa", f"parallel.cp={C}", f"train.seq_length={N}", "train.bf16=false",
+        f"model.vocab_size={VOCAB}", "data.path=mock", "dist.backend=gloo", "train.micro_batch_size=1"]
+STRATEGIES = {"ulysses": ["parallel.cp_strategy=ulysses"],
+              **{f"upipe:{u}": ["parallel.cp_strategy=upipe", f"parallel.upipe_heads_per_stage={u}"] for u in (2, 4, 8)}}
+
+
+def _simulate(rank, world_size, extra):
+    from megatron_upipe.planner.simulate import simulate_step
+
+    torch.distributed.destroy_process_group()  # the planner makes its own fake one
+    return {name: simulate_step(load_config(None, BASE + over + extra), C, VOCAB).work
+            for name, over in STRATEGIES.items()}
+
+
+@pytest.fixture(scope="module")
+def work():
+    return run_on_ranks(_simulate, 1, [])[0]
+
+
+def _sent_bytes(rank, world_size):
+    """Bytes this rank sends in one forward and one backward of the op (real tensors, gloo), per strategy."""
+    from megatron_upipe.attention import api
+    from megatron_upipe.attention.reference import rope_angles
+    from megatron_upipe.benchmarks.attention import count_sent_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N // C, 1, D, generator=gen, requires_grad=True)
+    ws = [torch.randn(n * d, D, generator=gen, requires_grad=True) for n in (H, G, G)]
+    freqs = rope_angles(N, d)[rank * N // C:(rank + 1) * N // C]
+    out = {}
+    for name in STRATEGIES:
+        kw = dict(num_heads=H, num_kv_heads=G, cp_group=torch.distributed.group.WORLD, rotary_pos_emb=freqs)
+        sent = {}
+        with count_sent_bytes(sent, "fwd"):
+            y = (api.ulysses_attention(x, *ws, **kw) if name == "ulysses" else
+                 api.upipe_attention(x, *ws, heads_per_stage=int(name.split(":")[1]), **kw))
+        with count_sent_bytes(sent, "bwd"):
+            torch.autograd.grad(y, [x, *ws], torch.ones_like(y))
+        out[name] = sent["fwd"] + sent["bwd"]
+    return out
+
+
+def test_counted_flops_and_bytes_equal_the_model_written_here_and_a_real_run(work):
+    s = N // C  # tokens per rank before the seq->head all-to-all
+    qkv = 2 * s * D * (H + 2 * G) * d  # forward FLOPs of the fused QKV projection, one layer
+    layer = qkv + 2 * s * H * d * D + 2 * s * D * 2 * FFN + 2 * s * FFN * D  # + W_O, gated fc1, fc2
+    forward = L * layer + 2 * s * D * VOCAB  # + LM head
+    gemm = 3 * forward  # backward: the input and the weight gradient of every product
+    pairs = N * (N + 1) // 2  # causal (query, key) pairs of the full sequence, after the seq->head all-to-all
+    attention = L * (4 + 10) * (H // C) * d * pairs  # per rank: H/C heads; forward 2 products, backward 5
+    sent = run_on_ranks(_sent_bytes, C)[0]
+    for name, w in work.items():
+        # UPipe's backward projects each stage's Q/K/V again instead of keeping them: one more QKV forward a layer
+        assert w["flops:gemm"] == gemm + (L * qkv if name != "ulysses" else 0), name
+        assert w["flops:attention"] == attention, name
+        assert w["bytes:alltoall:nvlink"] == L * sent[name], name
+        assert w["calls:attention"] == L * 2 * (1 if name == "ulysses" else H // int(name.split(":")[1])), name
+    assert not any(k.endswith(":ib") for w in work.values() for k in w)  # 2 ranks: one node
+
+
+def test_gpu_kernel_stand_ins_count_the_same_attention_work(work):
+    """Planning a GPU run (dist.backend=nccl: the SDPA flash stand-in, which computes nothing) counts the same FLOPs
+    as the CPU kernel that really runs."""
+    gpu = run_on_ranks(_simulate, 1, ["dist.backend=nccl"])[0]
+    for name in STRATEGIES:
+        assert gpu[name]["flops:attention"] == work[name]["flops:attention"], name
+        assert gpu[name]["calls:attention"] == work[name]["calls:attention"], name
+
+
+def test_predict_prices_the_work_as_documented():
+    from megatron_upipe.planner.step_time import Hardware, predict
+
+    hw = Hardware("test", 1e15, 1e11, 1e10, 1e-3, gemm_efficiency=0.5, attention_efficiency=0.25)
+    w = {"flops:gemm": 10**15, "flops:attention": 10**15, "bytes:alltoall:nvlink": 10**11, "calls:alltoall:nvlink": 10,
+         "bytes:alltoall:ib": 10**10, "calls:alltoall:ib": 2, "bytes:allgather:nvlink": 10**12}
+    t = predict(w, hw, tokens_per_step=8000, world_size=8)
+    assert t.parts["gemm"] == pytest.approx(2.0) and t.parts["attention"] == pytest.approx(4.0)
+    assert t.parts["all-to-all"] == pytest.approx(1 + 0.01 + 1 + 0.002)
+    assert t.parts["sharding collectives"] == pytest.approx(10 - 6)  # only what exceeds the compute
+    assert t.seconds == pytest.approx(2 + 4 + 2.012 + 4) and t.tokens_per_s_per_gpu == pytest.approx(1000 / t.seconds)
+    # pipelined stages: one of 4 stages' all-to-all time stays exposed, the rest hides under 4 s of attention
+    assert predict(w, hw, 8000, 8, overlap_stages=4).parts["all-to-all"] == pytest.approx(2.012 / 4)
+
+
+def test_calibration_recovers_known_efficiencies():
+    from megatron_upipe.planner.step_time import Hardware, calibrate, predict
+
+    true = Hardware("test", 1e15, 1e11, 1e10, 1e-4, gemm_efficiency=0.42, attention_efficiency=0.66)
+    samples = []
+    for n in (1, 2, 4, 8):  # attention grows as n^2, the rest as n
+        w = {"flops:gemm": 10**14 * n, "flops:attention": 10**13 * n * n, "bytes:alltoall:nvlink": 10**9 * n,
+             "calls:alltoall:nvlink": 100}
+        samples.append((w, predict(w, true, 1, 1).seconds))
+    fitted = calibrate(samples, Hardware("test", 1e15, 1e11, 1e10, 1e-4))
+    assert fitted.gemm_efficiency == pytest.approx(0.42) and fitted.attention_efficiency == pytest.approx(0.66)
+
+
+def test_predicted_time_never_falls_as_u_shrinks(work):
+    """`auto` takes the largest U that fits as the fastest that fits: the model must agree, on every legal U (at
+    this size latency dominates; at Llama3-8B 128K-5M: tools/step_time_report.py, U = 8 vs Ulysses)."""
+    from megatron_upipe.planner.step_time import HARDWARE, predict
+
+    times = {u: predict(work[f"upipe:{u}"], HARDWARE["h100-80gb"], N, C).seconds for u in (2, 4, 8)}
+    assert times[2] >= times[4] >= times[8], times
+    for u in (2, 4):
+        assert work[f"upipe:{u}"]["calls:alltoall:nvlink"] > work[f"upipe:{u * 2}"]["calls:alltoall:nvlink"]
+        assert work[f"upipe:{u}"]["bytes:alltoall:nvlink"] >= work[f"upipe:{u * 2}"]["bytes:alltoall:nvlink"]
+
+
+def test_estimate_memory_prints_the_time_line():
+    cmd = [sys.executable, "tools/estimate_memory.py", "--config", "examples/configs/tiny_cpu.yaml", "--world-size", "2",
+           f"model.vocab_size={VOCAB}", "train.micro_batch_size=1", "train.global_batch_size=1"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("time: ")]
+    assert len(line) == 1 and "tokens/s per GPU on h100-80gb" in line[0], out.stdout
