@@ -42,8 +42,10 @@ def portable(result: MemoryRunResult) -> MemoryRunResult:
 
 def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
                       recompute: bool = False, offload=False, shard: bool = False,
-                      bf16: bool = False, num_microbatches: int = 1) -> MemoryRunResult:
-    """offload: True (an unpooled HostOffloader) or a function of the pp rank returning the offloader."""
+                      bf16: bool = False, num_microbatches: int = 1,
+                      grads_dtype: torch.dtype = torch.float32) -> MemoryRunResult:
+    """offload: True (an unpooled HostOffloader) or a function of the pp rank returning the offloader; grads_dtype:
+    Megatron-FSDP's gradient buffers (with shard)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -73,7 +75,7 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)
         module = Float16Module(config, stage.model) if bf16 else stage.model
         if shard:
-            wrapped = wrap_fully_sharded(module, config, pg)
+            wrapped = wrap_fully_sharded(module, config, pg, grads_dtype=grads_dtype)
         else:
             wrapped = DistributedDataParallel(
                 config, DistributedDataParallelConfig(overlap_grad_reduce=False, grad_reduce_in_fp32=True), module)

@@ -171,6 +171,9 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
     (["memory.shard_model_states=true", "parallel.cp=1", "parallel.pp=2", "train.global_batch_size=2"], 2,
      "memory.shard_model_states=true is not combined with parallel.pp=2"),
     (["model.tie_embeddings=true", "memory.shard_model_states=true"], 2, "set memory.fsdp_embedding_unit=false"),
+    (["memory.fsdp_grads_dtype=bf16"], 2, "but memory.shard_model_states=false: set memory.shard_model_states=true"),
+    (["memory.fsdp_grads_dtype=bf16", "memory.shard_model_states=true"], 2,
+     "memory.fsdp_grads_dtype=bf16 would round the gradients of float32 training (train.bf16=false)"),
     (["parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=null", "memory.upipe_overlap=true"], 2,
      "memory.upipe_overlap=true pipelines UPipe's head stages (Ulysses has one stage): set parallel.cp_strategy=upipe"),
 ]

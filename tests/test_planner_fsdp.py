@@ -20,6 +20,8 @@ BASE = ["train.bf16=true", f"model.vocab_size={VOCAB}", "data.path=mock", "dist.
 CASES = {  # name: (world size, overrides); the fused input norm / output projection are on wherever they apply
     "upipe cp2 x dp2, fsdp": (4, ["parallel.cp=2", "parallel.cp_strategy=upipe", *STACK, *FSDP,
                                   "memory.attention_grad_accum=input"]),
+    "upipe cp2 x dp2, fsdp, bf16 gradients": (4, ["parallel.cp=2", "parallel.cp_strategy=upipe", *STACK, *FSDP,
+                                                  "memory.attention_grad_accum=input", "memory.fsdp_grads_dtype=bf16"]),
     "ulysses cp2 x dp2, fsdp": (4, ["parallel.cp=2", "parallel.cp_strategy=ulysses", *STACK, *FSDP,
                                     "memory.attention_grad_accum=input"]),
     "tp2 + sp x cp2 upipe, fsdp": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",

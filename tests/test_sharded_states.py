@@ -5,10 +5,12 @@ loading the same HF-named weights:
 - dp4 with megatron-core DDP and the plain optimizer (reference; it equals the single-process model, see
   test_llama_layouts), dp4 fully sharded, dp2 x cp2 UPipe fully sharded, and dp2 x cp2 UPipe fully sharded with
   full recompute + host offload of the layer inputs (the paper's memory stack), all float32;
-- dp4 fully sharded in bf16 (bf16 compute parameters, fp32 main parameters / gradients / Adam states).
-Checked: the float32 losses equal the reference's at every step (rtol 1e-5); the bf16 losses within 2e-2; each
-rank persistently holds about 1/4 of the model's parameters, fp32 main parameters, gradients and Adam moments
-(sum over ranks >= the model, every rank <= 1/4 plus bucket padding), while the DDP reference holds all of it.
+- dp4 fully sharded in bf16 (bf16 compute parameters, fp32 main parameters / gradients / Adam states), and the
+  same with bf16 gradient buffers and reduce-scatter (memory.fsdp_grads_dtype=bf16).
+Checked: the float32 losses equal the reference's at every step (rtol 1e-5); the bf16 losses within 2e-2 (and
+bf16 gradients within 1e-2 of fp32 gradients' losses); each rank persistently holds about 1/4 of the model's
+parameters, fp32 main parameters, gradients (bf16: half the bytes) and Adam moments (sum over ranks >= the model,
+every rank <= 1/4 plus bucket padding), while the DDP reference holds all of it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ VARIANTS = {  # name -> (layout kwargs, shard, recompute+offload, bf16)
     "dp2xcp2-upipe-sharded": (dict(dp=2, cp=2, cp_strategy="upipe"), True, False, False),
     "dp2xcp2-upipe-sharded+recompute+offload": (dict(dp=2, cp=2, cp_strategy="upipe"), True, True, False),
     "dp4-sharded-bf16": (dict(dp=4), True, False, True),
+    "dp4-sharded-bf16-bf16grads": (dict(dp=4), True, False, True),
 }
+BF16_GRADS = {"dp4-sharded-bf16-bf16grads"}  # memory.fsdp_grads_dtype=bf16
 
 
 def _job(rank, world_size):
@@ -39,7 +43,8 @@ def _job(rank, world_size):
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     return {
         name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, steps=STEPS, shard=shard,
-                                         recompute=ro, offload=ro, bf16=bf16))
+                                         recompute=ro, offload=ro, bf16=bf16,
+                                         grads_dtype=torch.bfloat16 if name in BF16_GRADS else torch.float32))
         for name, (kw, shard, ro, bf16) in VARIANTS.items()
     }
 
@@ -69,6 +74,10 @@ def test_losses_equal_unsharded(results):
             assert len(r.losses) == STEPS
             tol = dict(rtol=2e-2, atol=0) if bf16 else dict(rtol=1e-5, atol=1e-6)
             assert torch.allclose(torch.tensor(r.losses), torch.tensor(ref), **tol), (name, r.losses, ref)
+        fp32_grads, bf16_grads = per_rank["dp4-sharded-bf16"].losses, per_rank["dp4-sharded-bf16-bf16grads"].losses
+        assert fp32_grads[0] == bf16_grads[0]  # the same forward; the gradients' dtype shows from the first update
+        assert torch.allclose(torch.tensor(bf16_grads), torch.tensor(fp32_grads), rtol=1e-2, atol=0), \
+            (bf16_grads, fp32_grads)
 
 
 def test_each_rank_holds_a_quarter_of_the_states(results):
@@ -82,7 +91,7 @@ def test_each_rank_holds_a_quarter_of_the_states(results):
             continue
         states = [per_rank[name].state_bytes for per_rank in results]
         expected = {"exp_avg": full, "exp_avg_sq": full, "main_params": full, "buffer_main_params": full,
-                    "buffer_main_grads": full, "buffer_params": (2 if bf16 else 4) * P}
+                    "buffer_main_grads": (2 if name in BF16_GRADS else 4) * P, "buffer_params": (2 if bf16 else 4) * P}
         for key, total in expected.items():
             per = [s[key] for s in states]
             assert sum(per) >= total, (name, key, per, total)  # nothing is lost

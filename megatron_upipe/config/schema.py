@@ -371,6 +371,12 @@ class MemoryConfig:
     # megatron-core's default, one group of embedding + LM head + final norm, gathered for the whole step, whose
     # fp32 gradient bucket lives from the LM head's backward to the embedding's. Changes the checkpoint's buffers.
     fsdp_embedding_unit: bool = True
+    # With shard_model_states: Megatron-FSDP's gradient buffers (each layer's unsharded bucket, the reduce-scatter
+    # and the gradient shard Adam reads) in float32 ("fp32": megatron-core's rule for bf16 training, the paper's
+    # stack) or bfloat16 ("bf16": half their bytes, 3.8 GiB per GPU for the 32B dims on 16 GPUs; the reduce-scatter
+    # sums in bf16, so each gradient element carries bf16 rounding before Adam, which still updates float32 main
+    # weights). Needs bf16 training.
+    fsdp_grads_dtype: Literal["fp32", "bf16"] = "fp32"
     # Log the memory planner's predicted peak beside the measured one: rank 0 runs tools/estimate_memory.py on the
     # resolved config at start-up (seconds on CPU, about a minute for an 8B model) and the run measures its second
     # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).

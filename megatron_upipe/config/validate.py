@@ -209,6 +209,13 @@ def validate(config: Config, world_size: int) -> Plan:
                       f"{t.micro_batch_size}) and raise train.global_batch_size for more samples per step")
 
     # fully sharded model states (memory_stack.sharding)
+    if config.memory.fsdp_grads_dtype == "bf16" and not config.memory.shard_model_states:
+        errors.append("memory.fsdp_grads_dtype=bf16 sets Megatron-FSDP's gradient dtype, but "
+                      "memory.shard_model_states=false: set memory.shard_model_states=true or "
+                      "memory.fsdp_grads_dtype=fp32")
+    if config.memory.fsdp_grads_dtype == "bf16" and t.bf16 is False:
+        errors.append("memory.fsdp_grads_dtype=bf16 would round the gradients of float32 training (train.bf16=false): "
+                      "set train.bf16=true or memory.fsdp_grads_dtype=fp32")
     if config.memory.shard_model_states:
         if arch.tie_embeddings and config.memory.fsdp_embedding_unit:
             errors.append("tied embeddings (model.tie_embeddings or the preset) with memory.fsdp_embedding_unit=true: the embedding's own "

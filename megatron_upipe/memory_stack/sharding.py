@@ -54,8 +54,10 @@ from __future__ import annotations
 import torch
 
 
-def fsdp_ddp_config(*, use_gloo: bool | None = None, communication_unit: int | None = None):
-    """megatron-core DistributedDataParallelConfig for ZeRO-3 (fp32 main params and main grads).
+def fsdp_ddp_config(*, use_gloo: bool | None = None, communication_unit: int | None = None,
+                    grads_dtype: torch.dtype = torch.float32):
+    """megatron-core DistributedDataParallelConfig for ZeRO-3 (fp32 main params; main grads, their buckets and
+    reduce-scatter in `grads_dtype`: float32, or bfloat16 with memory.fsdp_grads_dtype=bf16).
 
     communication_unit: Megatron-FSDP's `suggested_communication_unit_size` in elements (None: megatron-core's
     default, max(1e9, 2 x the mean unit)). Its reduce-scatter queue keeps finished gradient buckets until they exceed
@@ -68,9 +70,9 @@ def fsdp_ddp_config(*, use_gloo: bool | None = None, communication_unit: int | N
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy="optim_grads_params",
         use_distributed_optimizer=True,
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=grads_dtype == torch.float32,
         megatron_fsdp_main_params_dtype=torch.float32,
-        megatron_fsdp_main_grads_dtype=torch.float32,
+        megatron_fsdp_main_grads_dtype=grads_dtype,
         overlap_grad_reduce=True,  # reduce-scatter launched during backward; finalize_model_grads waits for it
         overlap_param_gather=True,  # next layers' all-gathers prefetched (both checked on gloo: losses unchanged)
         gradient_reduce_div_fusion=not use_gloo,  # PREMUL_SUM does not exist on gloo
@@ -95,7 +97,8 @@ def fsdp_units(embedding_unit: bool) -> list[type]:
 
 
 def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_config=None, *,
-                       communication_unit: str = "layer", embedding_unit: bool = True):
+                       communication_unit: str = "layer", embedding_unit: bool = True,
+                       grads_dtype: torch.dtype = torch.float32):
     """This stage (a GPTModel, or Float16Module around it for bf16) fully sharded over pg_collection.dp_cp
     (None: megatron-core's initialised parallel state, as DistributedDataParallel uses).
 
@@ -105,7 +108,8 @@ def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_
     FSDP unit of its own (gathered for its forward and backward only); else it shares the group outside the units
     with the LM head and the final norm, whose fp32 gradient bucket then waits for the embedding's gradient, at the
     end of the backward (memory.fsdp_communication_unit / memory.fsdp_embedding_unit). A given ddp_config is used as
-    it is (communication_unit ignored).
+    it is (communication_unit and grads_dtype ignored). grads_dtype: Megatron-FSDP's gradient buffers and
+    reduce-scatter (memory.fsdp_grads_dtype).
 
     Call it where megatron-core's DistributedDataParallel would be built, before `get_megatron_optimizer(
     OptimizerConfig(..., use_distributed_optimizer=True), [wrapped])`."""
@@ -122,7 +126,7 @@ def wrap_fully_sharded(model: torch.nn.Module, tconfig, pg_collection=None, ddp_
                          "use parallel.pp=1 or memory.shard_model_states=false")
     if ddp_config is None:
         unit = max(layer_elements(model) - 1, 1) if communication_unit == "layer" else None
-        ddp_config = fsdp_ddp_config(communication_unit=unit)
+        ddp_config = fsdp_ddp_config(communication_unit=unit, grads_dtype=grads_dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     wrapped = FullyShardedDataParallel(tconfig, ddp_config, model, fsdp_unit_modules=fsdp_units(embedding_unit),
                                        device=device, pg_collection=pg_collection)

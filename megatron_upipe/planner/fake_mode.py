@@ -104,21 +104,20 @@ class PlannerFakeMode(FakeTensorMode):
         self._placement_matters = True  # of the op whose cache key is being built
 
     @contextmanager
-    def tracking(self, tracker):
-        self._tracker = tracker
+    def _showing(self, slot: str, observer):
+        setattr(self, slot, observer)
         try:
-            yield tracker
+            yield observer
         finally:
-            self._tracker = None
+            setattr(self, slot, None)
 
-    @contextmanager
+    def tracking(self, tracker):
+        """Feed `tracker` (a PeakMemoryTracker) the outputs of every op that enters the mode."""
+        return self._showing("_tracker", tracker)
+
     def counting(self, counter):
         """Show `counter` (planner/step_time.py WorkCounter: FLOPs, collective bytes) every op that enters the mode."""
-        self._counter = counter
-        try:
-            yield counter
-        finally:
-            self._counter = None
+        return self._showing("_counter", counter)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         query = QUERIES.get(func)

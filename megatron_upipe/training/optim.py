@@ -45,8 +45,13 @@ def wrap_model(model, tconfig, config: Config, *, float16_module: bool = True):
     if config.memory.shard_model_states:  # ZeRO-3 over dp x cp (Megatron-FSDP), see megatron_upipe.memory_stack
         from megatron_upipe.memory_stack.sharding import wrap_fully_sharded
 
+        if config.memory.fsdp_grads_dtype == "bf16" and not tconfig.bf16:
+            raise ValueError("memory.fsdp_grads_dtype=bf16 needs bf16 training, but this run computes in float32 "
+                             "(train.bf16=auto on a device without bf16): set train.bf16=true or "
+                             "memory.fsdp_grads_dtype=fp32")
         ddp = wrap_fully_sharded(module, tconfig, communication_unit=config.memory.fsdp_communication_unit,
-                                 embedding_unit=config.memory.fsdp_embedding_unit)
+                                 embedding_unit=config.memory.fsdp_embedding_unit,
+                                 grads_dtype=torch.bfloat16 if config.memory.fsdp_grads_dtype == "bf16" else torch.float32)
     else:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
