@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared script for a lent GPU (device tool), in two parts, each with its own time limit so one failing
-# part leaves the other's results:
+# The one prepared script for a lent GPU (device tool), in three parts, each with its own time limit so one failing
+# part leaves the others' results (parts 1 and 2 took 73 s and 2 x ~95 s on the lent H200; part 3 has not run yet):
 # 1. tools/gpu_check.py (killed at ${GPU_CHECK_S:-300} s): which CUDA attention kernels run here and their numerics
 #    against the float64 reference (kernel interface; UPipe/Ulysses with the natural API and with grouped views +
 #    W_O + fused input norm in both grad_accum modes), bf16 GEMM rates, the kernel cost of staging (one Llama3-8B
@@ -9,9 +9,12 @@
 #    fragmentation) as a calibration file for the planner. See tools/gpu_check.py.
 # 2. a training run on this one GPU (killed at ${GPU_TRAIN_S:-200} s): tools/gpu_check_train.yaml (four Llama3-8B
 #    layers at 128K tokens with the long recipes' memory stack, UPipe at cp=1, memory.plan_check), then the same with
-#    Ulysses: the planner's prediction beside torch.cuda.max_memory_allocated, and the step times.
+#    Ulysses: the planner's prediction beside torch.cuda.max_memory_allocated, and the step times;
+# 3. the pytest tests that run only where CUDA is (tests/test_gpu_training.py, the CUDA kernels of test_kernels.py).
+# Results so far: docs/gpu_results.md.
 #   bash tools/gpu_check.sh [gpu_check.py options]     # results in $OUT (or .): gpu_check.json,
-#                                                     # gpu_calibration.json, train_*.log, train_*_metrics.jsonl
+#                                                     # gpu_calibration.json, train_*.log, train_*_metrics.jsonl,
+#                                                     # pytest_gpu.log
 # Nothing is downloaded: the device machine has no network. It needs a Python with torch (CUDA); megatron-core for
 # part 2 comes from the Python's packages or from wheels carried in .whl/ (installed into /tmp/site); flash-attn and
 # TransformerEngine are checked when importable.
@@ -60,4 +63,13 @@ train() {  # name, overrides...
 }
 train upipe
 [ "${GPU_TRAIN_ULYSSES:-1}" = 0 ] || train ulysses parallel.cp_strategy=ulysses parallel.upipe_heads_per_stage=null
+
+# 3. the tests that run only where CUDA is (killed at ${GPU_PYTEST_S:-150} s; GPU_PYTEST_S=0 skips them)
+if [ "${GPU_PYTEST_S:-150}" -gt 0 ]; then
+  timeout "${GPU_PYTEST_S:-150}" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_training.py tests/test_kernels.py \
+    >"$OUT/pytest_gpu.log" 2>&1
+  prc=$?
+  echo "pytest (CUDA tests): exit $prc"; tail -n 5 "$OUT/pytest_gpu.log"
+  [ $prc -eq 0 ] || rc=1
+fi
 exit $rc
