@@ -31,6 +31,7 @@ class MemoryRunResult:
     param_dtypes: tuple = ()  # dtypes of the compute parameters
     host_reserved: tuple = ()  # per step: host bytes the offloader holds after it (a pool: all of it, always)
     pool_misses: int = 0  # copies that found no room in the offloader's pool
+    grad_norms: tuple = ()  # per step: the global gradient norm the optimizer computed (before clipping)
 
 
 def portable(result: MemoryRunResult) -> MemoryRunResult:
@@ -107,7 +108,7 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
             return out, _loss_func
 
         forward_backward = get_forward_backward_func()
-        losses, grads, peaks, reserved = [], None, [], []
+        losses, grads, peaks, reserved, norms = [], None, [], [], []
         for step in range(steps):
             wrapped.zero_grad_buffer()
             optimizer.zero_grad()
@@ -123,7 +124,8 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
             if step == 0 and not shard:
                 grads = _gather_stage([(n, p.main_grad) for n, p in stage.model.named_parameters()], arch, vocab,
                                       pg, offset)
-            optimizer.step()
+            _, grad_norm, _ = optimizer.step()
+            norms.append(float(grad_norm))
             reserved.append(offloader.ledger.reserved_bytes if offloader else 0)
         state = optimizer_state_bytes(optimizer)
         if shard:
@@ -131,6 +133,7 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         dtypes = tuple(sorted({str(p.dtype) for p in stage.model.parameters()}))
         return MemoryRunResult(losses, grads, peaks, probe["device"], probe["host"],
                                offloader.peak_bytes if offloader else 0, offloader.live_bytes if offloader else 0,
-                               state, dtypes, tuple(reserved), offloader.ledger.pool_misses if offloader else 0)
+                               state, dtypes, tuple(reserved), offloader.ledger.pool_misses if offloader else 0,
+                               tuple(norms))
     finally:
         destroy_parallel()
