@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import torch
 
+from megatron_upipe.attention.layout import local_positions
+
 SPLITS = ("contiguous", "zigzag")
 
 
 def split_sequence(t: torch.Tensor, split: str, cp_rank: int, cp_size: int, seq_dim: int = 1) -> torch.Tensor:
-    """[.., N, ..] -> [.., N/C, ..] along `seq_dim`: this rank's tokens under `split`."""
+    """[.., N, ..] -> [.., N/C, ..] along `seq_dim`: this rank's tokens under `split` (positions from
+    attention.layout.local_positions: contiguous = C all-to-all ranks, zigzag = a ring of C)."""
     if split not in SPLITS:
         raise ValueError(f"sequence split {split!r} is unknown; choose one of {SPLITS}")
     if cp_size == 1:
         return t
     N = t.shape[seq_dim]
-    parts = cp_size if split == "contiguous" else 2 * cp_size
-    if N % parts:
-        raise ValueError(
-            f"sequence length {N} is not divisible by {parts} ({split} split over {cp_size} CP ranks); "
-            f"pad the sequence or change the CP size"
-        )
-    chunks = t.chunk(parts, dim=seq_dim)  # parts x [.., N/parts, ..]
+    try:
+        pos = (local_positions(N, cp_rank, cp_size) if split == "contiguous" else
+               local_positions(N, 0, 1, cp_rank, cp_size))  # [N/C]
+    except ValueError as e:
+        raise ValueError(f"{e} ({split} split over {cp_size} CP ranks)") from None
     if split == "contiguous":
-        return chunks[cp_rank]
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)  # [.., N/C, ..]
+        return t.narrow(seq_dim, int(pos[0]), pos.numel())  # a view, as before
+    return t.index_select(seq_dim, pos.to(t.device))  # [.., N/C, ..]
 
 
 def split_batch(batch: dict[str, torch.Tensor | None], split: str, cp_group) -> dict[str, torch.Tensor | None]:

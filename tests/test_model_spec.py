@@ -78,7 +78,7 @@ def test_sequence_splits():
     # zigzag: 2C chunks, rank r keeps r and 2C-1-r (megatron-core's get_batch_on_this_cp_rank)
     assert split_sequence(t, "zigzag", 0, 4).tolist() == [[0, 1, 14, 15]]
     assert split_sequence(t, "zigzag", 3, 4).tolist() == [[6, 7, 8, 9]]
-    with pytest.raises(ValueError, match="not divisible by 8"):
+    with pytest.raises(ValueError, match="not a positive multiple of 8"):
         split_sequence(torch.zeros(1, 12), "zigzag", 0, 4)
 
 

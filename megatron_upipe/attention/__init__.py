@@ -6,7 +6,8 @@ tile math of the fused input norm, also used by models/tiled_norm.py), qk_norm (
 QK-norm), varlen (packed documents: cu_seqlens checked and normalised, the CPU variable-length kernel),
 kernel_libraries and varlen_kernels (flash-attn / TransformerEngine bindings; the CUDA kernels' cu_seqlens calls),
 kernels (local attention with an explicit backward), upipe (the stage loop for UPipe and, with one stage, Ulysses),
-api (checked public functions), reference (float64 full attention for tests and benchmarks).
+api (checked public functions), reference (float64 full attention for tests and benchmarks), layout (which
+global token positions a rank holds, for every a2a x ring layout).
 
 Names are imported lazily so that `megatron_upipe.attention.schedule` (used by config validation and the
 memory planner) does not pull in torch.
@@ -22,6 +23,7 @@ _EXPORTS = {
     "upipe_attention_grouped": "api",
     "ulysses_attention_grouped": "api",
     "legal_heads_per_stage": "schedule",
+    "local_positions": "layout",
     "make_schedule": "schedule",
     "UPipeSchedule": "schedule",
     "select_kernel": "kernels",
