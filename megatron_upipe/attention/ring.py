@@ -1,0 +1,117 @@
+"""Causal ring attention over a ring group, for one call in head layout (the building block of UPipe x ring).
+
+Legend: R ring size, r this rank's index in the ring, n tokens per zigzag chunk, S = 2n local tokens (chunk r, then
+chunk 2R-1-r: layout.local_positions), b batch, h query heads, hk KV heads, d head dim.
+
+Forward: R steps. At step s this rank holds the K/V of ring rank src = r - s (passed one hop along the ring after
+each step, by P2P) and attends its two query chunks to src's two key chunks: a key chunk before the query chunk is
+fully visible, the same chunk is causal, a later one is skipped. Each block's output and log-sum-exp (the kernel's
+own) are merged into float32 accumulators (float64 for float64 inputs) by their log-sum-exp (online softmax).
+Backward: the kernel's backward per block with the *merged* output and log-sum-exp (the probabilities of the whole
+row, so each block's dq/dk/dv is its exact share; no forward recompute). dq accumulates here; dK/dV travel with
+the K/V they belong to and one more hop brings them home.
+
+Not yet: overlap of the P2P passes with the block computation (they run between steps), and the UPipe/megatron-core
+integration (issue: hybrid UPipe x ring). Checked against float64 full attention in tests/test_ring.py on the CPU
+kernel; the CUDA kernels' log-sum-exp layouts ([b, h, S], [b, h, S, 1], or padded rows) are adapted here but not run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_upipe.attention.kernels import AttentionKernel, kernel_backward, kernel_forward
+
+
+def block_pairs(r: int, src: int, R: int) -> list[tuple[int, int, bool]]:
+    """(query chunk slot, key chunk slot, causal) of the blocks rank r computes against ring rank src's K/V."""
+    mine, theirs = (r, 2 * R - 1 - r), (src, 2 * R - 1 - src)
+    return [(i, j, kc == qc) for i, qc in enumerate(mine) for j, kc in enumerate(theirs) if kc <= qc]
+
+
+def _pass_along(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Each tensor sent one hop along the ring (to r + 1) and the previous rank's received (from r - 1)."""
+    R, r = group.size(), group.rank()
+    nxt, prv = dist.get_global_rank(group, (r + 1) % R), dist.get_global_rank(group, (r - 1) % R)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows(lse: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's log-sum-exp as [b, h, n] in `dtype`: [b, h, n, 1] squeezed, rows padded past n dropped."""
+    return (lse[..., 0] if lse.dim() == 4 else lse)[:, :, :n].to(dtype)
+
+
+def _as_kernel(rows: torch.Tensor, like: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
+    """[b, h, n] rows in the layout and dtype of a kernel's log-sum-exp (`like`: the block's own forward's)."""
+    shape, dtype = like
+    t = rows.unsqueeze(-1) if len(shape) == 4 else rows
+    if shape[2] > rows.shape[2]:  # padded rows (sdpa_efficient): never read for these queries
+        t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 3) + (0, shape[2] - rows.shape[2]))
+    return t.to(dtype).contiguous()
+
+
+def ring_attention_forward(q, k, v, group, kernel: AttentionKernel, scale: float):
+    """(out [b, h, S, d] in q's dtype, lse [b, h, S] (float32; float64 for float64 inputs), blocks: what the
+    backward needs per block) for the local zigzag tokens q [b, h, S, d], k/v [b, hk, S, d] of this ring rank;
+    causal attention over the whole ring."""
+    R, r = group.size(), group.rank()
+    b, h, S, d = q.shape
+    if S % 2:
+        raise ValueError(f"ring attention holds two zigzag chunks per rank: the local length {S} must be even")
+    n = S // 2
+    acc = _accumulator(q.dtype)
+    out = torch.zeros(b, h, S, d, dtype=acc, device=q.device)  # [b, h, S, d] merged
+    lse = torch.full((b, h, S), float("-inf"), dtype=acc, device=q.device)  # [b, h, S]
+    kv, blocks = [k, v], []
+    for step in range(R):
+        src = (r - step) % R
+        for i, j, causal in block_pairs(r, src, R):
+            rows, cols = slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n)
+            o, block_lse, aux = kernel_forward(kernel, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal,
+                                               scale)
+            part = _rows(block_lse, n, acc)  # [b, h, n]
+            merged = torch.logaddexp(lse[:, :, rows], part)
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
+                               + o.to(acc) * torch.exp(part - merged).unsqueeze(-1))
+            lse[:, :, rows] = merged
+            blocks.append((aux, (block_lse.shape, block_lse.dtype)))
+        if step < R - 1:
+            kv = _pass_along(kv, group)
+    return out.to(q.dtype), lse, blocks
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, blocks, group, kernel: AttentionKernel, scale: float):
+    """(dq, dk, dv) in the inputs' dtypes for this rank's q [b, h, S, d] and its own k/v [b, hk, S, d]."""
+    R, r = group.size(), group.rank()
+    n, acc = q.shape[2] // 2, _accumulator(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = [k, v]
+    dkv = [torch.zeros(k.shape, dtype=acc, device=k.device),  # of the K/V held now (src's)
+           torch.zeros(v.shape, dtype=acc, device=v.device)]
+    block = iter(blocks)
+    for step in range(R):
+        src = (r - step) % R
+        for i, j, causal in block_pairs(r, src, R):
+            rows, cols = slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n)
+            aux, like = next(block)
+            dqi, dkj, dvj = kernel_backward(kernel, dout[:, :, rows].contiguous(), q[:, :, rows], kv[0][:, :, cols],
+                                            kv[1][:, :, cols], out[:, :, rows].contiguous(),
+                                            _as_kernel(lse[:, :, rows], like), aux, causal, scale)
+            dq[:, :, rows] += dqi.to(acc)
+            dkv[0][:, :, cols] += dkj.to(acc)
+            dkv[1][:, :, cols] += dvj.to(acc)
+        if step < R - 1:
+            kv, dkv = _pass_along(kv, group), _pass_along(dkv, group)
+    if R > 1:  # the dK/dV held now are those of ring rank r + 1: one more hop home
+        dkv = _pass_along(dkv, group)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
