@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .comm import group_size
 from .kernels import select_kernel, stage_call
+from .layout import local_positions
 from .rope import rope_cos_sin
 from .schedule import make_schedule
 from .upipe import StageOp, UPipeFunction
@@ -32,7 +33,7 @@ from .varlen import documents
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
+def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int, R: int = 1) -> None:
     if x.dim() != 3:
         raise ValueError(f"x must be [s, b, D] (sequence first); got shape {tuple(x.shape)}")
     if x.dtype not in _FLOATS:
@@ -53,10 +54,10 @@ def _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C: int) -> None:
         if w.dtype != x.dtype or w.device != x.device:
             raise ValueError(f"{name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; cast one of them")
     if rotary_pos_emb is not None:
-        N = s * C
+        N = s * C * R
         if rotary_pos_emb.shape[0] not in (N, s) or rotary_pos_emb.dim() != 4:
             raise ValueError(
-                f"rotary_pos_emb must be [N, 1, 1, rot_dim] for all N = {C} ranks x {s} local tokens = {N} global "
+                f"rotary_pos_emb must be [N, 1, 1, rot_dim] for all N = {C * R} ranks x {s} local tokens = {N} global "
                 f"positions (megatron-core RotaryEmbedding output, not sliced per CP rank) or [{s}, 1, 1, rot_dim] "
                 f"for this rank's contiguous positions; got {tuple(rotary_pos_emb.shape)}. If the global sequence "
                 f"length is not a multiple of the cp size, pad it or change the cp size"
@@ -93,13 +94,22 @@ def _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps) -> 
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
              ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
              norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-             qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False):
+             qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None):
     if norm_tile_rows < 1:
         raise ValueError(f"norm_tile_rows={norm_tile_rows} must be positive")
     if grad_accum not in ("fp32", "input"):
         raise ValueError(f"grad_accum={grad_accum!r}: use 'fp32' or 'input' (the activations' dtype)")
-    C = group_size(cp_group)
-    _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C)
+    C, R = group_size(cp_group), group_size(ring_group)
+    _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C, R)
+    if ring_group is not None:
+        problems = [why for bad, why in ((not causal, "causal=False"), (cu_seqlens is not None, "cu_seqlens"),
+                                         (overlap, "overlap=True")) if bad]
+        if problems:
+            raise ValueError(f"ring_group: ring attention here is causal over one sequence without pipelined stages; "
+                             f"drop {', '.join(problems)} or ring_group")
+        if (x.shape[0] * C) % 2:
+            raise ValueError(f"ring_group: each a2a group holds two zigzag chunks of its {x.shape[0] * C} tokens, "
+                             f"which must be even")
     if w_o is not None and (w_o.shape != (x.shape[-1], w_q.shape[0] * w_q.shape[1] * w_q.shape[2])
                             or w_o.dtype != x.dtype):
         raise ValueError(f"w_o must be [D, G·g·d] = [{x.shape[-1]}, {w_q.shape[0] * w_q.shape[1] * w_q.shape[2]}] "
@@ -120,9 +130,13 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
                  accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows,
-                 qk_norm_eps=float(qk_norm_eps), docs=docs, overlap=bool(overlap))
+                 qk_norm_eps=float(qk_norm_eps), docs=docs, overlap=bool(overlap), ring=ring_group)
     if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
-        rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
+        if ring_group is None:  # contiguous: a view
+            rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
+        else:  # zigzag over the ring (layout.py)
+            pos = local_positions(rotary_pos_emb.shape[0], rank, C, dist.get_rank(ring_group), R)  # [s]
+            rotary_pos_emb = rotary_pos_emb[pos.to(rotary_pos_emb.device)]  # [N, ...] -> [s, ...]
     rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)  # [s, rot/2] each
     return op, rope
 
@@ -131,7 +145,7 @@ def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
     norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
@@ -155,7 +169,8 @@ def upipe_attention_grouped(
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
                         norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
-                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap)
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap,
+                        ring_group=ring_group)
     cos, sin = rope if rope is not None else (None, None)
     return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
@@ -164,6 +179,7 @@ def ulysses_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
     grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5, norm_tile_rows: int = 32768,
     b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6, cu_seqlens=None,
+    ring_group=None,
 ):
     """Plain Ulysses with grouped weights (see `upipe_attention_grouped`): one stage of all H heads whose q, k, v
     and out stay in head layout for backward, as DeepSpeed's DistributedAttention over flash attention keeps them.
@@ -172,7 +188,7 @@ def ulysses_attention_grouped(
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
                         norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
-                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens)
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, ring_group=ring_group)
     cos, sin = rope if rope is not None else (None, None)
     return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
@@ -214,7 +230,7 @@ def _group_biases(w_q, b_q, b_k, b_v, num_heads: int, num_kv_heads: int):
 def upipe_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True,
     softmax_scale=None, kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None,
 ):
     """UPipe attention of this rank's tokens.
 
@@ -231,6 +247,9 @@ def upipe_attention(
     overlap: pipelined stages: while one stage's kernel runs, the next stage's projections have gone out in
     asynchronous all-to-alls and the previous stage's result comes back (forward and backward); the same results
     bit for bit, at most one more stage of all-to-all buffers (and a KV round's K/V at a round boundary) alive.
+    ring_group: hybrid UPipe x ring (cp_group is then the all-to-all group): rank (a, r) holds the tokens
+    `layout.local_positions(N, a, C, r, R)` (N = s·C·R: zigzag chunks over the R ring ranks, contiguous inside the
+    a2a group) and each stage's attention runs as causal ring attention over ring_group (ring.py).
     Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
     Differentiable with respect to x, w_q, w_k, w_v and the biases and QK-norm weights given.
     """
@@ -239,14 +258,14 @@ def upipe_attention(
     return upipe_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, heads_per_stage=heads_per_stage, rotary_pos_emb=rotary_pos_emb,
         causal=causal, softmax_scale=softmax_scale, kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w,
-        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap,
+        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap, ring_group=ring_group,
     )
 
 
 def ulysses_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6,
-    cu_seqlens=None,
+    cu_seqlens=None, ring_group=None,
 ):
     """Plain Ulysses baseline; same arguments and result as `upipe_attention` without heads_per_stage."""
     gq, gk, gv = _group_weights(x, w_q, w_k, w_v, num_heads, num_kv_heads)
@@ -254,5 +273,5 @@ def ulysses_attention(
     return ulysses_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, rotary_pos_emb=rotary_pos_emb, causal=causal, softmax_scale=softmax_scale,
         kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w, k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu_seqlens, ring_group=ring_group,
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_upipe.attention.kernels import AttentionKernel, kernel_backward, kernel_forward
+from .kernels import AttentionKernel, kernel_backward, kernel_forward
 
 
 def block_pairs(r: int, src: int, R: int) -> list[tuple[int, int, bool]]:
@@ -34,7 +34,7 @@ def _pass_along(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
     """Each tensor sent one hop along the ring (to r + 1) and the previous rank's received (from r - 1)."""
     R, r = group.size(), group.rank()
     nxt, prv = dist.get_global_rank(group, (r + 1) % R), dist.get_global_rank(group, (r - 1) % R)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prv, group) for t in received]
     for work in dist.batch_isend_irecv(ops):

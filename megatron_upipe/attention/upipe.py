@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from .comm import InFlight, head_to_seq, seq_to_head
 from .kernels import AttentionKernel, kernel_backward, kernel_forward
+from .ring import ring_attention_backward, ring_attention_forward
 from .norm_tiles import rms_tile, rms_tile_backward, rms_tile_rstd
 from .qk_norm import head_norm, head_norm_backward, head_rstd
 from .rope import rotate_into
@@ -95,6 +96,9 @@ class StageOp:
     # Pipelined stages (memory.upipe_overlap): the next stage's all-to-alls in flight while this stage's kernel
     # runs and the previous stage's result all-to-all drains; same results bit for bit, one more stage of buffers.
     overlap: bool = False
+    # Hybrid UPipe x ring: each stage's attention runs as causal ring attention over this group (ring.py) on the
+    # a2a group's zigzag tokens (layout.local_positions); None: one kernel call on the group's whole sequence.
+    ring: dist.ProcessGroup | None = None
 
 
 def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
@@ -335,10 +339,13 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b
             finish(*draining)  # the previous stage's output: its all-to-all ran during the projections above
             draining = None
         a0, a1 = st.kv_slots
-        o, lse, aux = kernel_forward(
-            op.kernel, q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
-            v_head[:, :, a0:a1].permute(1, 2, 0, 3), op.causal, op.scale, docs=op.docs,
-        )  # o [b, m, N, d]
+        qkv = (q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
+               v_head[:, :, a0:a1].permute(1, 2, 0, 3))  # [b, m, N, d], [b, a1-a0, N, d] x 2
+        if op.ring is None:
+            o, lse, aux = kernel_forward(op.kernel, *qkv, op.causal, op.scale, docs=op.docs)  # o [b, m, N, d]
+        else:  # N: the a2a group's zigzag tokens; causal over the whole ring
+            o, lse, aux = ring_attention_forward(*qkv, op.ring, op.kernel, op.scale)
+        del qkv
         nxt = _settle(nxt)  # the next stage's inputs have arrived (on CUDA: the stream waits): send buffers freed
         if op.save_heads:
             saved.append((q_head, k_head, v_head, o))
@@ -498,11 +505,13 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             drain(draining)
             draining = None
         a0, a1 = st.kv_slots
-        dq, dk, dv = kernel_backward(
-            op.kernel, do_head.permute(1, 2, 0, 3), q_head.permute(1, 2, 0, 3),
-            k_head[:, :, a0:a1].permute(1, 2, 0, 3), v_head[:, :, a0:a1].permute(1, 2, 0, 3),
-            o_head.permute(1, 2, 0, 3), lses[idx], auxes[idx], op.causal, op.scale, docs=op.docs,
-        )  # dq [b, m, N, d]; dk, dv [b, a1-a0, N, d]
+        args = (do_head.permute(1, 2, 0, 3), q_head.permute(1, 2, 0, 3), k_head[:, :, a0:a1].permute(1, 2, 0, 3),
+                v_head[:, :, a0:a1].permute(1, 2, 0, 3), o_head.permute(1, 2, 0, 3), lses[idx], auxes[idx])
+        if op.ring is None:
+            dq, dk, dv = kernel_backward(op.kernel, *args, op.causal, op.scale, docs=op.docs)
+        else:
+            dq, dk, dv = ring_attention_backward(*args, op.ring, op.kernel, op.scale)
+        del args  # dq [b, m, N, d]; dk, dv [b, a1-a0, N, d]
         nxt = _settle(nxt)  # the next stage's inputs have arrived (on CUDA: the stream waits): send buffers freed
         del q_head, o_head, do_head
         dk_acc[:, :, a0:a1] += dk.permute(2, 0, 1, 3)

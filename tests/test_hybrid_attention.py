@@ -1,0 +1,111 @@
+"""Hybrid UPipe x ring (`ring_group=`): all-to-all inside each group of A ranks, causal ring attention across the R
+groups, tokens placed by attention.layout.local_positions. Output and every gradient against float64 attention of
+the whole sequence (attention/reference.py, plain softmax attention written for the tests), for a2a x ring layouts
+2x2, 1x2, 2x1 (4 and 2 gloo ranks), MHA, GQA and KV replication (one KV head on two a2a ranks), several U
+and Ulysses, with RoPE, float64 / float32 / bf16; global lengths that are not powers of two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_helper import run_on_ranks
+
+# relative (norm) error against the reference on the same dtype-rounded inputs; well-scaled inputs (unit logits)
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}
+WORST: dict = {}  # dtype -> worst error over every case so far (pytest -s prints it)
+
+
+def _groups(A: int, R: int):
+    """(a2a group, ring group, a2a rank, ring rank) of this process: global rank = ring rank · A + a2a rank, so each
+    a2a group is A consecutive ranks (one node on Slurm) and each ring group takes one rank from every node."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    mine = {}
+    for r in range(R):  # every rank creates every group, in the same order
+        g = dist.new_group([r * A + a for a in range(A)])
+        if me // A == r:
+            mine["a2a"] = g
+    for a in range(A):
+        g = dist.new_group([r * A + a for r in range(R)])
+        if me % A == a:
+            mine["ring"] = g
+    return mine["a2a"], mine["ring"], me % A, me // A
+
+
+def _job(rank, world_size, A, R, H, G, N, dtype, strategies):
+    from megatron_upipe.attention import api
+    from megatron_upipe.attention.layout import local_positions
+    from megatron_upipe.attention.reference import reference_attention, rope_angles
+
+    a2a, ring, a, r = _groups(A, R)
+    d, D, b = 8, 32, 1
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, b, D, generator=gen, dtype=torch.float64).to(dtype).double()
+    wq, wk, wv = (torch.randn(n * d, D, generator=gen, dtype=torch.float64).to(dtype).double() * D ** -0.5
+                  for n in (H, G, G))
+    dy = torch.randn(N, b, H * d, generator=gen, dtype=torch.float64).to(dtype).double()
+    freqs = rope_angles(N, d)
+    ins = [t.clone().requires_grad_() for t in (x, wq, wk, wv)]
+    ref = reference_attention(*ins, H, G, freqs)
+    ref_grads = torch.autograd.grad(ref, ins, dy)
+    pos = local_positions(N, a, A, r, R)
+    out = {}
+    for name in strategies:
+        xs = x[pos].to(dtype).requires_grad_()
+        ws = [w.to(dtype).requires_grad_() for w in (wq, wk, wv)]
+        kw = dict(num_heads=H, num_kv_heads=G, cp_group=a2a, ring_group=ring, rotary_pos_emb=freqs.to(dtype))
+        y = (api.ulysses_attention(xs, *ws, **kw) if name == "ulysses" else
+             api.upipe_attention(xs, *ws, heads_per_stage=int(name.split(":")[1]), **kw))
+        grads = torch.autograd.grad(y, [xs, *ws], dy[pos].to(dtype))
+        dws = [g.double() for g in grads[1:]]
+        for g in dws:  # weight gradients: this rank's share, summed over all ranks
+            torch.distributed.all_reduce(g)
+        errs = [((y.double() - ref[pos]).norm() / ref[pos].norm()).item(),
+                ((grads[0].double() - ref_grads[0][pos]).norm() / ref_grads[0][pos].norm()).item()]
+        errs += [((g - rg).norm() / rg.norm()).item() for g, rg in zip(dws, ref_grads[1:])]
+        out[name] = errs
+    return out
+
+
+CASES = [  # (A, R, H, G, N, strategies)
+    (2, 2, 8, 2, 72, ["upipe:2", "upipe:4", "upipe:8", "ulysses"]),  # GQA; U over the a2a group's 2 ranks
+    (2, 2, 4, 1, 40, ["upipe:2", "ulysses"]),  # one KV head replicated on both a2a ranks
+    (1, 2, 4, 2, 24, ["upipe:1", "upipe:2", "ulysses"]),  # ring only
+    (2, 1, 4, 4, 24, ["upipe:2", "ulysses"]),  # all-to-all only (today's op through the same path), MHA
+]
+
+
+@pytest.mark.parametrize("A, R, H, G, N, strategies", CASES, ids=[f"{c[0]}x{c[1]}-H{c[2]}G{c[3]}-N{c[4]}"
+                                                                for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_hybrid_equals_full_attention(A, R, H, G, N, strategies, dtype):
+    results = run_on_ranks(_job, A * R, A, R, H, G, N, dtype, strategies)
+    for rank, per in enumerate(results):
+        for name, errs in per.items():
+            assert max(errs) < TOL[dtype], (rank, name, errs)
+            WORST[str(dtype)] = max(WORST.get(str(dtype), 0.0), max(errs))
+    print(WORST)
+
+
+def _refused(rank, world_size):
+    from megatron_upipe.attention import api
+
+    ring = torch.distributed.group.WORLD
+    x = torch.randn(4, 1, 16)
+    w = [torch.randn(n * 4, 16) for n in (2, 2, 2)]
+    kw = dict(num_heads=2, num_kv_heads=2, cp_group=None, ring_group=ring)
+    msgs = []
+    for extra in (dict(causal=False), dict(overlap=True)):
+        try:
+            api.upipe_attention(x, *w, **kw, **extra)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_what_the_ring_does_not_do_is_refused_in_one_line():
+    msgs = run_on_ranks(_refused, 2)[0]
+    assert "drop causal=False or ring_group" in msgs[0] and "drop overlap=True or ring_group" in msgs[1], msgs
