@@ -241,6 +241,21 @@ def memory_run(kernel: str, N: int, strategy: str, U: int | None) -> dict:
 TIMING_CASES = (("ulysses", None), ("upipe", 1), ("upipe", 16))  # C = 1: U = C and U = H/2 of Llama3-8B
 
 
+def median_cuda_seconds(run, iters: int) -> float:
+    """Median of `iters` CUDA-event timings of run() after one warm-up; its result is freed after each timing."""
+    times = []
+    for it in range(1 + iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = run()
+        end.record()
+        torch.cuda.synchronize()
+        del result
+        if it:
+            times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def stage_timing(kernel: str, N: int = 131072, iters: int = 3) -> list[dict]:
     """The kernel cost of staging, isolated: one Llama3-8B layer's attention forward + backward at C = 1 (no
     communication) for Ulysses, UPipe U = C = 1 and U = H/2 = 16, median of `iters` CUDA-event timings after one
@@ -250,20 +265,13 @@ def stage_timing(kernel: str, N: int = 131072, iters: int = 3) -> list[dict]:
     ws = [(torch.randn(n * d, D, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_() for n in (H, G, G)]
     dout = torch.randn(N, 1, H * d, device="cuda", dtype=torch.bfloat16)
     kw = dict(num_heads=H, num_kv_heads=G, cp_group=None, rotary_pos_emb=rope_angles(N, d).cuda(), kernel=kernel)
-    rows = []
-    for strategy, U in TIMING_CASES:
-        times = []
-        for it in range(1 + iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = api.upipe_attention(x, *ws, heads_per_stage=U, **kw) if U else api.ulysses_attention(x, *ws, **kw)
-            grads = torch.autograd.grad(out, [x, *ws], dout)
-            end.record()
-            torch.cuda.synchronize()
-            del out, grads
-            if it:
-                times.append(start.elapsed_time(end) / 1e3)
-        rows.append({"kernel": kernel, "strategy": strategy, "U": U or H, "N": N, "seconds": sorted(times)[len(times) // 2]})
+
+    def layer(U):  # one forward + backward; the result is dropped after timing
+        out = api.upipe_attention(x, *ws, heads_per_stage=U, **kw) if U else api.ulysses_attention(x, *ws, **kw)
+        return out, torch.autograd.grad(out, [x, *ws], dout)
+
+    rows = [{"kernel": kernel, "strategy": strategy, "U": U or H, "N": N,
+             "seconds": median_cuda_seconds(lambda: layer(U), iters)} for strategy, U in TIMING_CASES]
     base = rows[0]["seconds"]
     flops = layer_attention_flops(N)
     for r in rows:
@@ -290,17 +298,7 @@ def gemm_rate(shapes=((131072, 4096, 14336), (131072, 14336, 4096), (131072, 409
     for M, K, N in shapes:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-        times = []
-        for it in range(1 + iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            c = a @ b
-            end.record()
-            torch.cuda.synchronize()
-            del c
-            if it:
-                times.append(start.elapsed_time(end) / 1e3)
-        t = sorted(times)[len(times) // 2]
+        t = median_cuda_seconds(lambda: a @ b, iters)
         rows.append({"M": M, "K": K, "N": N, "seconds": t, "tflop_per_s": 2.0 * M * K * N / t / 1e12})
         del a, b
     torch.cuda.empty_cache()

@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_upipe.cli import fail  # noqa: E402
 from megatron_upipe.config import ConfigError, validate  # noqa: E402
 from megatron_upipe.planner.devices import margins_for, resolve_gpu  # noqa: E402
-from megatron_upipe.planner.estimate import ConfigSource, estimate  # noqa: E402
-from megatron_upipe.planner.step_time import HARDWARE, calibrate, predict  # noqa: E402
+from megatron_upipe.planner.estimate import ConfigSource, estimate, step_time  # noqa: E402
+from megatron_upipe.planner.step_time import HARDWARE, calibrate  # noqa: E402
 from megatron_upipe.planner.workers import default_jobs  # noqa: E402
 
 PROG = "step_time_report.py"
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         for strategy in PAPER:
             if (strategy, n) in rows:
                 est, tps = rows[(strategy, n)]
-                t = predict(est.work, fitted, est.tokens_per_step, world, overlap_stages=est.overlap_stages)
+                t = step_time(est, world, fitted)
                 out[strategy] = {"paper": tps, "model": t.tokens_per_s_per_gpu, "seconds": t.seconds,
                                  "parts": t.parts, "work": est.work, "fits": est.fits}
         table.append(out)

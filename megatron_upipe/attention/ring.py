@@ -111,7 +111,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, blocks, group, kernel: Atte
             dkv[0][:, :, cols] += dkj.to(acc)
             dkv[1][:, :, cols] += dvj.to(acc)
         if step < R - 1:
-            kv, dkv = _pass_along(kv, group), _pass_along(dkv, group)
+            moved = _pass_along(kv + dkv, group)  # K/V and their dK/dV so far, in one exchange
+            kv, dkv = moved[:2], moved[2:]
     if R > 1:  # the dK/dV held now are those of ring rank r + 1: one more hop home
         dkv = _pass_along(dkv, group)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
