@@ -24,7 +24,8 @@ class ParallelLayout:
     dp: int = 1
     sequence_parallel: bool = False
     cp_strategy: str = "none"
-    upipe_heads_per_stage: int | None = None  # U summed over the CP ranks; None = smallest legal value
+    upipe_heads_per_stage: int | None = None  # U summed over the all-to-all ranks; None = smallest legal value
+    cp_ring: int = 1  # R: cp = A x R, all-to-all groups of A consecutive CP ranks, a ring of R of them (hybrid)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "dp"):
@@ -37,8 +38,18 @@ class ParallelLayout:
             raise ValueError(f"parallel.cp={self.cp} needs a cp_strategy other than 'none' (e.g. 'upipe')")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=True needs tp > 1")
+        if not isinstance(self.cp_ring, int) or self.cp_ring < 1 or self.cp % self.cp_ring:
+            raise ValueError(f"parallel.cp_ring={self.cp_ring!r} must be a positive divisor of parallel.cp={self.cp}")
+        if self.cp_ring > 1 and self.cp_strategy not in ("ulysses", "upipe"):
+            raise ValueError(f"parallel.cp_ring={self.cp_ring} (hybrid all-to-all x ring) runs UPipe or Ulysses "
+                             f"stages; cp_strategy={self.cp_strategy!r}: set cp_strategy=upipe or cp_ring=1")
         if self.upipe_heads_per_stage is not None and self.upipe_heads_per_stage < 1:
             raise ValueError(f"parallel.upipe_heads_per_stage={self.upipe_heads_per_stage} must be positive or None")
+
+    @property
+    def cp_a2a(self) -> int:
+        """A: the all-to-all group size (cp = A x cp_ring)."""
+        return self.cp // self.cp_ring
 
     @property
     def world_size(self) -> int:
@@ -47,7 +58,8 @@ class ParallelLayout:
     def describe(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
         u = f"(U={self.upipe_heads_per_stage})" if self.upipe_heads_per_stage else ""
-        return f"tp{self.tp}{sp}-pp{self.pp}-cp{self.cp}:{self.cp_strategy}{u}-dp{self.dp}"
+        ring = f"({self.cp_a2a}x{self.cp_ring})" if self.cp_ring > 1 else ""
+        return f"tp{self.tp}{sp}-pp{self.pp}-cp{self.cp}{ring}:{self.cp_strategy}{u}-dp{self.dp}"
 
 
 def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None,
@@ -57,6 +69,9 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
     `gloo_groups=False` skips megatron's auxiliary gloo groups (the memory planner's fake process group cannot
     create them). Installs the CPU adaptation first when there is no GPU, seeds the CPU generator and megatron's RNG tracker,
     and returns megatron's `ProcessGroupCollection` (tp, pp, cp, dp, dp_cp, ...) to pass down explicitly.
+    With `layout.cp_ring` = R > 1 the CP group of A·R ranks is also cut by megatron-core's hierarchical CP
+    (`hierarchical_context_parallel_sizes=[A, R]`): `hcp[0]` is this rank's all-to-all group (A consecutive CP
+    ranks: one node when tp·A GPUs fit in it), `hcp[1]` its ring (stride A), so CP rank = ring rank·A + a2a rank.
     `timeout_s` bounds every collective on megatron's groups (None: megatron-core's 30 minutes), so a dead or hung
     peer ends the job instead of blocking it. Call `destroy_parallel()` before initialising another layout in the
     same processes.
@@ -81,6 +96,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: flo
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         create_gloo_process_groups=gloo_groups,
+        hierarchical_context_parallel_sizes=[layout.cp_a2a, layout.cp_ring] if layout.cp_ring > 1 else None,
         **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
     torch.manual_seed(seed)

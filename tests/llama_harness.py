@@ -117,7 +117,7 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
             from megatron_upipe.data.packing import document_positions
 
             batch["position_ids"] = document_positions(cu_seqlens, 0, N).unsqueeze(0)  # [1, N]
-        batch = split_batch(batch, stage.plan.sequence_split, pg.cp)  # [B/dp, N/C] each
+        batch = split_batch(batch, stage.plan.sequence_split, pg.cp, stage.plan.cp_ring)  # [B/dp, N/C] each
         if cu_seqlens is not None:
             batch["cu_seqlens"] = cu_seqlens
 

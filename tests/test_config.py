@@ -176,7 +176,26 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
      "memory.fsdp_grads_dtype=bf16 would round the gradients of float32 training (train.bf16=false)"),
     (["parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=null", "memory.upipe_overlap=true"], 2,
      "memory.upipe_overlap=true pipelines UPipe's head stages (Ulysses has one stage): set parallel.cp_strategy=upipe"),
+    # hybrid a2a x ring (parallel.cp_ring)
+    (["parallel.cp_ring=3"], 2, "parallel.cp_ring=3 must divide parallel.cp=2"),
+    (["parallel.cp_ring=2", "parallel.cp_strategy=a2a"], 2, "parallel.cp_ring=2 runs a ring over UPipe/Ulysses"),
+    (["parallel.cp_ring=2", "train.seq_length=258"], 2,
+     "train.seq_length=258 must be a multiple of 4 (2·cp: two zigzag chunks per ring rank"),
+    (["parallel.cp_ring=2", "memory.upipe_overlap=true"], 2, "memory.upipe_overlap=true is not implemented with "
+                                                              "parallel.cp_ring=2"),
+    (["parallel.cp_ring=2", "data.document_mask=true", "train.micro_batch_size=1"], 2,
+     "data.document_mask=true is not implemented with parallel.cp_ring=2"),
+    (["parallel.cp=32", "parallel.cp_ring=2", "train.seq_length=1024"], 32,
+     "per TP rank (tp=1) and all-to-all size cp/cp_ring = 16"),
 ]
+
+
+def test_cp_ring_counts_heads_over_the_all_to_all_group():
+    """16 CP ranks cannot share the tiny model's 8 query heads in one all-to-all, but 2 rings of 8 can."""
+    msg = errors_of(lambda: validate(load_config(TINY, ["parallel.cp=16", "train.seq_length=512"]), 16))
+    assert "and cp=16" in msg
+    plan = validate(load_config(TINY, ["parallel.cp=16", "parallel.cp_ring=2", "train.seq_length=512"]), 16)
+    assert plan.seq_per_cp_rank == 32 and plan.local_heads % plan.heads_per_stage == 0
 
 
 @pytest.mark.parametrize("overrides, world_size, expected", BAD, ids=[r[2][:40] for r in BAD])

@@ -80,6 +80,12 @@ def test_sequence_splits():
     assert split_sequence(t, "zigzag", 3, 4).tolist() == [[6, 7, 8, 9]]
     with pytest.raises(ValueError, match="not a positive multiple of 8"):
         split_sequence(torch.zeros(1, 12), "zigzag", 0, 4)
+    # a ring of 2 all-to-all groups of 2 (CP rank = ring rank·2 + a2a rank): chunks 0 and 3 to ring rank 0,
+    # 1 and 2 to ring rank 1 (4 tokens each), each pair split contiguously over the group
+    assert [split_sequence(t, "contiguous", r, 4, ring_size=2).tolist() for r in range(4)] == [
+        [[0, 1, 2, 3]], [[12, 13, 14, 15]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]]
+    with pytest.raises(ValueError, match="ring_size=3 must divide the 4 CP ranks"):
+        split_sequence(t, "contiguous", 0, 4, ring_size=3)
 
 
 def test_padded_vocab_is_tp_invariant():

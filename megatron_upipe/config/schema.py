@@ -168,11 +168,21 @@ class ParallelConfig:
     # (memory.plan_gpu) and the host at train.seq_length, and prints its choice and why.
     upipe_heads_per_stage: int | Literal["auto"] | None = None
     sequence_parallel: bool = False  # megatron sequence parallelism inside the TP group (needs tp > 1)
+    # R, hybrid context parallelism: cp = A x R. Each UPipe/Ulysses all-to-all runs inside a group of A = cp/cp_ring
+    # consecutive CP ranks (keep tp·A GPUs inside one node), and each stage's attention is a causal ring over the
+    # R groups (zigzag token layout). 1 = one all-to-all group of cp ranks. U is then counted over the A ranks.
+    cp_ring: int = 1
 
     def __post_init__(self) -> None:
         _check_types(self)
         _refuse([
-            *_positive(self, "tp", "pp", "cp", "dp", "upipe_heads_per_stage"),
+            *_positive(self, "tp", "pp", "cp", "dp", "upipe_heads_per_stage", "cp_ring"),
+            (self.cp_ring > 1 and self.cp % self.cp_ring != 0,
+             f"parallel.cp_ring={self.cp_ring} must divide parallel.cp={self.cp} (cp = all-to-all size x ring size): "
+             f"e.g. parallel.cp={self.cp_ring * max(1, self.cp // self.cp_ring)}"),
+            (self.cp_ring > 1 and self.cp_strategy not in ("ulysses", "upipe"),
+             f"parallel.cp_ring={self.cp_ring} runs a ring over UPipe/Ulysses all-to-all groups: set "
+             f"parallel.cp_strategy=upipe (or ulysses), or parallel.cp_ring=1 (got cp_strategy={self.cp_strategy})"),
             (self.cp > 1 and self.cp_strategy == "none",
              f"parallel.cp={self.cp} needs a context-parallel algorithm: set parallel.cp_strategy to upipe "
              f"(or ulysses, p2p, a2a, a2a+p2p), or parallel.cp=1"),
@@ -188,6 +198,11 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def cp_a2a(self) -> int:
+        """A: the UPipe/Ulysses all-to-all group size (cp = A x cp_ring)."""
+        return self.cp // self.cp_ring if self.cp % self.cp_ring == 0 else self.cp
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ def resolve_heads_per_stage(num_heads: int, num_kv_heads: int, cp: int, requeste
 def _seq_multiple(config: Config) -> int:
     """train.seq_length must be a multiple of this: split over cp (then tp under sequence parallel)."""
     p = config.parallel
-    chunks = 2 * p.cp if p.cp_strategy in TE_CP_STRATEGIES and p.cp > 1 else p.cp  # TE's zigzag: 2·cp chunks
+    zigzag = (p.cp_strategy in TE_CP_STRATEGIES and p.cp > 1) or p.cp_ring > 1
+    chunks = 2 * p.cp if zigzag else p.cp  # zigzag (TE's, or a ring of all-to-all groups): 2·cp chunks
     return math.lcm(chunks, p.cp * (p.tp if p.sequence_parallel else 1))
 
 
@@ -135,11 +136,12 @@ def validate(config: Config, world_size: int) -> Plan:
     if not (H % p.tp or G % p.tp) and p.cp_strategy in ("ulysses", "upipe"):
         requested = p.upipe_heads_per_stage if p.cp_strategy == "upipe" else local_h
         try:  # auto: some legal U must exist (the smallest is checked); the planner picks one at start-up
-            U = resolve_heads_per_stage(local_h, local_g, p.cp, None if requested == "auto" else requested)
+            U = resolve_heads_per_stage(local_h, local_g, p.cp_a2a, None if requested == "auto" else requested)
         except ValueError as e:
             key = "parallel.upipe_heads_per_stage" if p.upipe_heads_per_stage is not None else "parallel.cp"
+            a2a = f"all-to-all size cp/cp_ring = {p.cp_a2a}" if p.cp_ring > 1 else f"cp={p.cp}"
             errors.append(f"{key}: parallel.cp_strategy={p.cp_strategy} with {local_h} query / {local_g} KV heads "
-                          f"per TP rank (tp={p.tp}) and cp={p.cp}: {e}")
+                          f"per TP rank (tp={p.tp}) and {a2a}: {e}")
         U = U if p.cp_strategy == "upipe" and requested != "auto" else None
 
     # context-parallel implementation (whether TransformerEngine is installed is machine.py's question)
@@ -149,6 +151,12 @@ def validate(config: Config, world_size: int) -> Plan:
     if config.memory.upipe_overlap and p.cp_strategy != "upipe":
         errors.append(f"memory.upipe_overlap=true pipelines UPipe's head stages (Ulysses has one stage): set "
                       f"parallel.cp_strategy=upipe or memory.upipe_overlap=false (cp_strategy={p.cp_strategy})")
+    if p.cp_ring > 1 and config.memory.upipe_overlap:
+        errors.append(f"memory.upipe_overlap=true is not implemented with parallel.cp_ring={p.cp_ring} (the ring's "
+                      f"stages run serially): set memory.upipe_overlap=false or parallel.cp_ring=1")
+    if p.cp_ring > 1 and d.document_mask:
+        errors.append(f"data.document_mask=true is not implemented with parallel.cp_ring={p.cp_ring} (ring attention "
+                      f"is causal over one whole sequence): set data.document_mask=false or parallel.cp_ring=1")
     if config.memory.attention_grad_accum != "fp32" and p.cp_strategy not in ("ulysses", "upipe"):
         errors.append(f"memory.attention_grad_accum={config.memory.attention_grad_accum} applies to the UPipe/Ulysses "
                       f"attention op only: set parallel.cp_strategy=upipe/ulysses or memory.attention_grad_accum=fp32")
@@ -166,7 +174,8 @@ def validate(config: Config, world_size: int) -> Plan:
     # sequence length vs cp (and tp under sequence parallel)
     multiple = _seq_multiple(config)
     if t.seq_length % multiple:
-        why = "2·cp zigzag chunks" if p.cp_strategy in TE_CP_STRATEGIES else "cp"
+        why = ("2·cp zigzag chunks" if p.cp_strategy in TE_CP_STRATEGIES else
+               "2·cp: two zigzag chunks per ring rank, split over the all-to-all group" if p.cp_ring > 1 else "cp")
         why += ", times tp under sequence parallel" if p.sequence_parallel else ""
         errors.append(f"train.seq_length={t.seq_length} must be a multiple of {multiple} ({why}): e.g. "
                       f"{max(multiple, t.seq_length // multiple * multiple)}")

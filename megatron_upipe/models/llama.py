@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_upipe.attention.layout import local_positions
 from megatron_upipe.models.chunked_loss import ChunkedLossGPTModel
 from megatron_upipe.models.presets import LlamaArch
 from megatron_upipe.models.rope_scaling import apply_rope_scaling
@@ -100,19 +101,20 @@ class LlamaStage:
 
 
 class RankRowsRotaryEmbedding(torch.nn.Module):
-    """megatron-core's RotaryEmbedding reduced to this CP rank's contiguous positions: asked for N positions it
-    returns the angles of positions [r·N/C, (r+1)·N/C) ([N/C, 1, 1, rot_dim], same values as those rows of the
-    full table) instead of all N (at 6M tokens: 3 GiB of float32 angles per rank, alive through the step).
+    """megatron-core's RotaryEmbedding reduced to this CP rank's positions: asked for N positions it returns the
+    angles of positions [r·N/C, (r+1)·N/C) ([N/C, 1, 1, rot_dim], same values as those rows of the full table)
+    instead of all N (at 6M tokens: 3 GiB of float32 angles per rank, alive through the step). With cp_ring = R > 1
+    (hybrid a2a x ring) the rows are those of attention.layout.local_positions (zigzag over the ring).
     Holds no parameters or buffers (RotaryEmbedding's inv_freq is a plain attribute): state dicts are unchanged.
     Packed documents (megatron's THD PackedSeqParams, data.document_mask): megatron asks for the longest document's
     length; no table is made ([0, 1, 1, rot_dim]: up to N rows of float32 alive through the step otherwise, 2.5 GiB
     per rank for an 8B model at 5M tokens). The attention layers ask `angles_at` for their tokens' in-document
     positions instead (once per micro-batch, see HeadwiseCPSelfAttention.use_rank_rotary)."""
 
-    def __init__(self, inner: torch.nn.Module, cp_group) -> None:
+    def __init__(self, inner: torch.nn.Module, cp_group, cp_ring: int = 1) -> None:
         super().__init__()
         self.inner = inner
-        self.cp_size, self.cp_rank = cp_group.size(), cp_group.rank()
+        self.cp_size, self.cp_rank, self.cp_ring = cp_group.size(), cp_group.rank(), cp_ring
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
@@ -121,6 +123,10 @@ class RankRowsRotaryEmbedding(torch.nn.Module):
         if packed_seq:  # packed documents: the attention layers take angles_at(their in-document positions)
             return self.inner.get_emb(1, offset)[:0]  # [0, 1, 1, rot_dim] (and inv_freq on megatron's device)
         s = max_seq_len // self.cp_size  # [N] -> this rank's [s/C] positions
+        if self.cp_ring > 1:  # hybrid a2a x ring: zigzag over the ring (CP rank = ring rank·A + a2a rank)
+            A = self.cp_size // self.cp_ring
+            positions = local_positions(max_seq_len, self.cp_rank % A, A, self.cp_rank // A, self.cp_ring)
+            return self.angles_at(positions + offset)  # [s/C, 1, 1, rot_dim]
         return self.inner.get_emb(s, offset + self.cp_rank * s)  # [s/C, 1, 1, rot_dim]
 
     def angles_at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -186,7 +192,7 @@ def build_llama(
     if plan.rope_rank_rows:
         # The headwise CP ops rotate this rank's contiguous positions only: make just those angles ([s/C] rows, not
         # the [N] rows nor megatron's zigzag slice of them).
-        model.rotary_pos_emb = RankRowsRotaryEmbedding(model.rotary_pos_emb, pg_collection.cp)
+        model.rotary_pos_emb = RankRowsRotaryEmbedding(model.rotary_pos_emb, pg_collection.cp, layout.cp_ring)
         for layer in model.decoder.layers:
             layer.self_attention.use_rank_rotary(model.rotary_pos_emb)
         if layout.tp == 1 or layout.sequence_parallel:  # the op applies each layer's input norm itself

@@ -5,6 +5,7 @@
 | none        | megatron-core SelfAttention + local DotProductAttention     | (cp must be 1) | -            |
 | ulysses     | HeadwiseCPSelfAttention running plain Ulysses (baseline)    | contiguous     | -            |
 | upipe       | HeadwiseCPSelfAttention running UPipe (U heads per stage)   | contiguous     | -            |
+| (cp_ring>1) | the same, a2a inside groups of cp/cp_ring, ring across them | zigzag x a2a   | -            |
 | p2p         | TE spec, TEDotProductAttention, cp_comm_type="p2p" (ring)   | zigzag         | TE + GPU     |
 | a2a         | TE spec, cp_comm_type="a2a" (TE's Ulysses)                  | zigzag         | TE + GPU     |
 | a2a+p2p     | TE spec, cp_comm_type="a2a+p2p" (hierarchical)              | zigzag         | TE + GPU     |
@@ -41,7 +42,8 @@ TE_STRATEGIES = ("p2p", "a2a", "a2a+p2p")
 class CPPlan:
     block_spec: TransformerBlockSubmodules  # the layers of this pipeline stage and the final norm
     sequence_split: str  # "contiguous" or "zigzag": see megatron_upipe.cp_batch
-    rope_rank_rows: bool  # attention takes the RoPE angles of this rank's contiguous positions only
+    rope_rank_rows: bool  # attention takes the RoPE angles of this rank's positions only
+    cp_ring: int = 1  # R of hybrid a2a x ring (layout.cp_ring): the "contiguous" split is then zigzag over R
 
 
 def te_available() -> bool:
@@ -60,11 +62,11 @@ def _local_layer_spec(config: TransformerConfig) -> ModuleSpec:
     return spec
 
 
-def _headwise_cp_layer_spec(config: TransformerConfig, cp_attention) -> ModuleSpec:
+def _headwise_cp_layer_spec(config: TransformerConfig, cp_attention, cp_ring: int) -> ModuleSpec:
     spec = _local_layer_spec(config)
     attn = spec.submodules.self_attention
     attn.module = HeadwiseCPSelfAttention
-    attn.params = {"attn_mask_type": AttnMaskType.causal, "cp_attention": cp_attention}
+    attn.params = {"attn_mask_type": AttnMaskType.causal, "cp_attention": cp_attention, "cp_ring": cp_ring}
     attn.submodules.core_attention = AttentionInsideCPOp
     return spec
 
@@ -131,7 +133,7 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
             else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage, grad_accum=grad_accum,
                          kernel=kernel, overlap=overlap)
         )
-        layer, split, rank_rope = _headwise_cp_layer_spec(config, op), "contiguous", True
+        layer, split, rank_rope = _headwise_cp_layer_spec(config, op, layout.cp_ring), "contiguous", True
     elif strategy in TE_STRATEGIES:
         (layer, norm), split, rank_rope = _te_layer_spec(strategy), "zigzag", False
     else:
@@ -150,4 +152,4 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
         raise ValueError(f"upipe_heads_per_stage is set but cp_strategy={strategy!r}; it only applies to 'upipe'")
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
     block = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
-    return CPPlan(block_spec=block, sequence_split=split, rope_rank_rows=rank_rope)
+    return CPPlan(block_spec=block, sequence_split=split, rope_rank_rows=rank_rope, cp_ring=layout.cp_ring)

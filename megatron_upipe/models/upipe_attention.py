@@ -28,9 +28,13 @@ Packed documents (megatron's THD PackedSeqParams, data.document_mask): the op ge
 cu_seqlens and attends causally inside each document; RoPE positions restart at each document (the rows of the
 in-document positions of this rank's tokens, picked from the table the rotary module makes).
 
-RoPE: the op takes the angles of this rank's contiguous positions (rank r holds tokens [r·N/C, (r+1)·N/C), see
-`megatron_upipe.cp_batch`): the model builder replaces megatron's RotaryEmbedding by `RankRowsRotaryEmbedding`,
-which makes just those rows.
+RoPE: the op takes the angles of this rank's positions (rank r holds tokens [r·N/C, (r+1)·N/C), or under hybrid
+a2a x ring (`cp_ring`) the positions `attention.layout.local_positions` gives, see `megatron_upipe.cp_batch`): the
+model builder replaces megatron's RotaryEmbedding by `RankRowsRotaryEmbedding`, which makes just those rows.
+
+Hybrid a2a x ring (`cp_ring` = R > 1): the op's all-to-alls run inside megatron's first hierarchical CP group
+(`pg_collection.hcp[0]`, A consecutive CP ranks) and each stage's attention is a causal ring over the second
+(`hcp[1]`); see megatron_upipe.parallel.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class HeadwiseCPSelfAttention(SelfAttention):
         name: str | None = None,
         *,
         cp_attention: Callable[..., torch.Tensor],
+        cp_ring: int = 1,
     ) -> None:
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"UPipe/Ulysses attention is causal only; got attn_mask_type={attn_mask_type}")
@@ -116,6 +121,12 @@ class HeadwiseCPSelfAttention(SelfAttention):
         )
         check_supported(config, self.world_size)
         self.cp_attention = cp_attention
+        # The op's groups: the CP group, or under hybrid a2a x ring megatron's hierarchical CP groups (parallel.py)
+        hcp = getattr(self.pg_collection, "hcp", None) or ()
+        self._cp_groups = (self.pg_collection.cp, None) if cp_ring == 1 else tuple(hcp)
+        if len(self._cp_groups) != 2 or (cp_ring > 1 and self._cp_groups[1].size() != cp_ring):
+            raise ValueError(f"cp_ring={cp_ring}: the process groups have no matching hierarchical CP groups "
+                             f"(initialize_parallel builds them from ParallelLayout.cp_ring)")
         self._input_norm: tuple = ()  # (RMSNorm,) when fused: a tuple, so not registered as a submodule
         self._rotary: tuple = ()  # (RankRowsRotaryEmbedding,) when the model has one: see use_rank_rotary
 
@@ -202,7 +213,8 @@ class HeadwiseCPSelfAttention(SelfAttention):
             extras.update(norm_w=self._input_norm[0].weight, norm_eps=self._input_norm[0].eps)
         partial = self.cp_attention(
             x, w[:, :g], w[:, g], w[:, g + 1],  # w_q [G, g, d, D], w_k [G, d, D], w_v [G, d, D]
-            cp_group=self.pg_collection.cp,
+            cp_group=self._cp_groups[0],  # the all-to-all group
+            ring_group=self._cp_groups[1],  # None, or the ring over the all-to-all groups (hybrid)
             rotary_pos_emb=rotary_pos_emb,  # [s/C, 1, 1, rot_dim]: this rank's positions
             causal=True,
             softmax_scale=self.config.softmax_scale,

@@ -36,7 +36,7 @@ def choose_heads_per_stage(source: ConfigSource, world_size: int, vocab_size: in
     """The largest legal U of `source`'s UPipe layout whose plan fits; ConfigError when none does."""
     config = source.load()
     plan = validate(config, world_size)
-    legal = legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp)
+    legal = legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a)
     seq = config.train.seq_length
     tried = []
     for U in sorted(legal, reverse=True):

@@ -35,16 +35,18 @@ def flash_workspace_bytes(config: Config, world_size: int) -> int:
     dq accumulator in fp32 [b, N, m, d], softmax row statistic fp32 [b, m, N], and, when the call's query heads
     outnumber its KV heads, dK/dV expanded to the query heads in bf16 (2 x [b, N, m, d]) inside a GQA-native
     kernel (a kernel without native GQA gets K/V and dK/dV expanded by our op, where the tracker already counts
-    them). m and the KV heads of one call follow the UPipe schedule (m = U / C; Ulysses: all local heads).
+    them). m and the KV heads of one call follow the UPipe schedule (m = U / C; Ulysses: all local heads), C
+    being the all-to-all size. Under hybrid a2a x ring (parallel.cp_ring = R) each call is one zigzag chunk of
+    N/(2R) queries against one chunk of keys, so N/(2R) replaces N.
     """
     from megatron_upipe.attention.kernels import planning_kernel
 
     plan = validate(config, world_size)
-    H, G, C = plan.local_heads, plan.local_kv_heads, config.parallel.cp
+    H, G, C, R = plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a, config.parallel.cp_ring
     U = plan.heads_per_stage if config.parallel.cp_strategy == "upipe" else H
     sched = make_schedule(H, G, C, U)
     m, w = sched.q_per_rank, sched.stages[0].kv_slots[1] - sched.stages[0].kv_slots[0]
-    b, N, d = plan.micro_batch_size, plan.seq_length, plan.arch.kv_channels
+    b, N, d = plan.micro_batch_size, plan.seq_length // (2 * R if R > 1 else 1), plan.arch.kv_channels
     dq_accum = b * N * m * d * 4
     stats = b * m * N * 4
     name = planned_kernel_name(config)
@@ -92,7 +94,8 @@ def strategy_overrides(strategy: str, cp: int) -> list[str]:
     """Config overrides that select `strategy` (see the module docstring)."""
     name, _, u = strategy.partition(":")
     if name == "none":
-        return ["parallel.cp=1", "parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=null"]
+        return ["parallel.cp=1", "parallel.cp_ring=1", "parallel.cp_strategy=ulysses",
+                "parallel.upipe_heads_per_stage=null"]
     if name == "ulysses":
         return [f"parallel.cp={cp}", "parallel.cp_strategy=ulysses", "parallel.upipe_heads_per_stage=null"]
     if name == "upipe":

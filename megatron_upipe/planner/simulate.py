@@ -88,11 +88,9 @@ class StepMemory:
 
 
 def _layout(config: Config, plan):
-    from megatron_upipe.parallel import ParallelLayout
+    from megatron_upipe.training.setup import layout_of  # the training job's, so both run the same layout
 
-    p = config.parallel
-    return ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=plan.dp, sequence_parallel=p.sequence_parallel,
-                          cp_strategy=p.cp_strategy, upipe_heads_per_stage=plan.heads_per_stage)
+    return layout_of(config, plan)
 
 
 def _retag_layer_inputs(model, tracker: PeakMemoryTracker):

@@ -161,7 +161,8 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
         notes.append(f"loaded weights only from {source.path} ({source.words}): optimizer and schedule start fresh")
     ddp = wrap_model(stage.model, stage.config, config)
     optimizer, scheduler = build_optimizer(ddp, stage.config, config)
-    data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device)
+    data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device,
+                          stage.plan.cp_ring)
     state = TrainState(config, plan, groups, tokenizer, stage, ddp, optimizer, scheduler, data)
     state.notes += [n for n in notes if n is not None]
     if source is not None and source.kind == TRAINING:

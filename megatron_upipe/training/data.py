@@ -64,6 +64,7 @@ class RunData:
     num_workers: int = 0  # data.num_workers: DataLoader worker processes (the order does not depend on it)
     device: torch.device = torch.device("cpu")  # where the model runs
     document_mask: bool = False  # data.document_mask: add each sample's cu_seqlens (micro-batch 1)
+    cp_ring: int = 1  # parallel.cp_ring: the contiguous split is zigzag over a ring of that many a2a groups
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
         return self._split(micro_batches(self.train, self.micro_batch_size, self.dp_rank, self.dp_size,
@@ -74,7 +75,7 @@ class RunData:
 
     def _split(self, it: Iterator[dict]) -> Iterator[dict]:
         for batch in it:  # [b, s] -> [b, s/C]
-            local = split_batch({k: batch[k] for k in BATCH_KEYS}, self.split, self.cp_group)
+            local = split_batch({k: batch[k] for k in BATCH_KEYS}, self.split, self.cp_group, self.cp_ring)
             local = {k: v.to(self.device, non_blocking=True) for k, v in local.items()}
             if self.document_mask:  # the whole sample's document boundaries, the same on every CP rank; kept on
                 # the host, where the attention op reads them (on a GPU each layer would otherwise synchronise)
@@ -104,7 +105,7 @@ def build_run_datasets(config: Config, plan: Plan, tokenizer: Tokenizer) -> tupl
 
 
 def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str,
-                   device: torch.device = torch.device("cpu")) -> RunData:
+                   device: torch.device = torch.device("cpu"), cp_ring: int = 1) -> RunData:
     train, valid = build_run_datasets(config, plan, tokenizer)
     return RunData(train, valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp,
-                   config.data.num_workers, device, config.data.document_mask)
+                   config.data.num_workers, device, config.data.document_mask, cp_ring)

@@ -49,7 +49,7 @@ def layout_of(config: Config, plan: Plan) -> ParallelLayout:
                            "resolves it with training/auto_heads.py)")
     p = config.parallel
     return ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, dp=plan.dp, sequence_parallel=p.sequence_parallel,
-                          cp_strategy=p.cp_strategy, upipe_heads_per_stage=plan.heads_per_stage)
+                          cp_strategy=p.cp_strategy, upipe_heads_per_stage=plan.heads_per_stage, cp_ring=p.cp_ring)
 
 
 def setup_distributed(config: Config, plan: Plan) -> Groups:
