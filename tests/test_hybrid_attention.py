@@ -1,8 +1,9 @@
 """Hybrid UPipe x ring (`ring_group=`): all-to-all inside each group of A ranks, causal ring attention across the R
 groups, tokens placed by attention.layout.local_positions. Output and every gradient against float64 attention of
 the whole sequence (attention/reference.py, plain softmax attention written for the tests), for a2a x ring layouts
-2x2, 1x2, 2x1 (4 and 2 gloo ranks), MHA, GQA and KV replication (one KV head on two a2a ranks), several U
-and Ulysses, with RoPE, float64 / float32 / bf16; global lengths that are not powers of two."""
+2x2, 1x2, 2x1 (4 and 2 gloo ranks) and 4x2, 2x4 (8 ranks, all three dtypes in one job), MHA, GQA and KV
+replication (one KV head on two a2a ranks), every legal U and Ulysses, with RoPE, float64 / float32 / bf16; global
+lengths that are not powers of two."""
 
 from __future__ import annotations
 
@@ -86,6 +87,29 @@ def test_hybrid_equals_full_attention(A, R, H, G, N, strategies, dtype):
         for name, errs in per.items():
             assert max(errs) < TOL[dtype], (rank, name, errs)
             WORST[str(dtype)] = max(WORST.get(str(dtype), 0.0), max(errs))
+    print(WORST)
+
+
+def _job_dtypes(rank, world_size, A, R, H, G, N, dtypes, strategies):
+    return {str(dtype): _job(rank, world_size, A, R, H, G, N, dtype, strategies) for dtype in dtypes}
+
+
+CASES_8 = [  # (A, R, H, G, N, strategies) on 8 ranks
+    (4, 2, 8, 2, 80, ["upipe:4", "upipe:8", "ulysses"]),  # GQA, each KV head replicated on 2 of the 4 a2a ranks
+    (2, 4, 8, 4, 48, ["upipe:2", "upipe:4", "upipe:8", "ulysses"]),  # GQA, a ring of 4
+]
+
+
+@pytest.mark.parametrize("A, R, H, G, N, strategies", CASES_8, ids=[f"{c[0]}x{c[1]}-H{c[2]}G{c[3]}-N{c[4]}"
+                                                                  for c in CASES_8])
+def test_hybrid_on_eight_ranks_equals_full_attention(A, R, H, G, N, strategies):
+    dtypes = list(TOL)
+    results = run_on_ranks(_job_dtypes, A * R, A, R, H, G, N, dtypes, strategies)
+    for rank, per_dtype in enumerate(results):
+        for dtype in dtypes:
+            for name, errs in per_dtype[str(dtype)].items():
+                assert max(errs) < TOL[dtype], (rank, dtype, name, errs)
+                WORST[str(dtype)] = max(WORST.get(str(dtype), 0.0), max(errs))
     print(WORST)
 
 

@@ -254,3 +254,55 @@ def test_single_node_recipe_on_cpu(tmp_path):
     assert shlex.join(torchrun["argv"]).startswith(
         "--nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:29777")
     assert load_config(str(tmp_path / "b" / "config.yaml"), []).dist.backend == "gloo"
+
+
+# srun of a job on several nodes, all on this machine: one copy of the command per node (--nodes), each with the
+# SLURM_NODEID / SLURM_PROCID Slurm gives it, run side by side; exits with the worst code.
+MULTI_NODE_SRUN = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+nodes = int(next(a.split("=", 1)[1] for a in args if a.startswith("--nodes=")))
+cmd = args[next(i for i, a in enumerate(args) if not a.startswith("-")):]
+procs = [subprocess.Popen(cmd, env=os.environ | {{"SLURM_NODEID": str(i), "SLURM_PROCID": str(i)}})
+         for i in range(nodes)]
+sys.exit(max(p.wait() for p in procs))
+"""
+RING_RECIPE = ROOT / "examples" / "slurm" / "llama3_8b_upipe_ring_2x8xh100.sbatch"
+
+
+def test_two_node_ring_recipe_places_each_all_to_all_inside_a_node(tmp_path):
+    """The 2-node hybrid recipe, run on this machine as two 'nodes' (one real torchrun each, c10d rendezvous on
+    localhost) of 2 ranks: the tiny model with cp 4 = 2 (all-to-all) x 2 (ring) trains 3 steps, and every
+    all-to-all group is inside one node while each ring spans both (the job's own placement line). Then the same
+    launch with cp_ring=1 reports its all-to-all group of 4 spanning both nodes."""
+    fakes = Fakes(tmp_path)
+    (fakes.bin / "torchrun").unlink()  # the real one, from this interpreter's environment
+    (fakes.bin / "srun").write_text(MULTI_NODE_SRUN.format(python=sys.executable))
+    venv_bin = str(Path(sys.executable).parent)
+    overrides = ["model.preset=tiny", "parallel.cp=4", "parallel.upipe_heads_per_stage=null", "train.seq_length=64",
+                 "train.steps=3", "train.bf16=false", "dist.backend=gloo", "dist.timeout_s=120",
+                 "memory.plan_check=false", "memory.shard_model_states=false", "memory.offload_checkpoints=false",
+                 "memory.attention_grad_accum=fp32", "memory.mlp_chunks=1", "memory.loss_chunks=1",
+                 f"data.path={ROOT}/data/corpus_text_document", f"data.tokenizer={ROOT}/data/tokenizer/spm.model",
+                 "checkpoint.interval=0"]
+    for ring, expected in (("2", "context parallel on 2 node(s): all-to-all groups of 2 ranks inside one node each; "
+                                 "rings of 2 across 2 node(s)"),
+                           ("1", "context parallel on 2 node(s): all-to-all groups of 4 ranks spanning up to 2 nodes")):
+        run_dir = tmp_path / f"run-ring{ring}"
+        env = slurm_env(2, 8, 31, run_dir) | {"NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+                                              "FAKE_HOSTS": "localhost localhost",
+                                              "PATH": f"{fakes.bin}:{venv_bin}:{os.environ['PATH']}"}
+        r = fakes.run(RING_RECIPE, *overrides, f"parallel.cp_ring={ring}", f"checkpoint.dir={run_dir}/checkpoints",
+                      **env)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+        assert expected in r.stdout, r.stdout[-4000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in records if x.get("kind", "train") == "train"] == [1, 2, 3], r.stdout[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

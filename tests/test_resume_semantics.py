@@ -343,7 +343,8 @@ def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_exits_5(tmp_path):
     the recipes' torchrun flags) and each rank, here after a periodic save at step 2 started megatron's
     checkpoint-writer helper process in each rank."""
     recipe = (ROOT / "examples" / "slurm" / "llama3_8b_upipe_8xh100.sbatch").read_text()
-    assert "#SBATCH --signal=USR1@" in recipe and "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in recipe
+    launch = (ROOT / "examples" / "slurm" / "launch.sh").read_text()  # the batch scripts' shared body
+    assert "#SBATCH --signal=USR1@" in recipe and "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in launch
 
     def everyone(proc, token):
         # once to each process, as Slurm does: torchrun's own environment carries the token too, and a second

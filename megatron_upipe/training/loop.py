@@ -128,6 +128,8 @@ def _run(state, stop: StopOnSignal | None = None) -> None:
     log.message(plan.summary())
     log.message(f"parallel layout {groups.layout.describe()} | {state.stage.config.params_dtype} | "
                 f"{sum(p.numel() for p in state.model.parameters())} parameters on rank 0's stage")
+    if groups.cp_placement:
+        log.message(groups.cp_placement)
     log.message(optional_kernels_line())
     if state.resumed_from is not None:
         log.message(f"resumed from {state.resumed_from} at step {state.step} ({state.consumed_samples} samples)")

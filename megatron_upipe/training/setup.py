@@ -15,6 +15,7 @@ Not covered: all ranks hanging outside any collective at the same time.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +34,36 @@ class Groups:
     world_size: int
     device: torch.device
     owns_default_group: bool  # this job called init_process_group (so teardown destroys it)
+    cp_placement: str = ""  # where the CP groups sit on the nodes (cp_placement); "" without context parallelism
+
+
+def node_of_this_rank() -> str:
+    """torchrun's GROUP_RANK (its node's index in the rendezvous), else the host name."""
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def cp_placement(layout: ParallelLayout, pg) -> str:
+    """One line on where the context-parallel groups sit (a collective: call on every rank): whether every
+    UPipe/Ulysses all-to-all group is inside one node and, for hybrid a2a x ring, how many nodes each ring spans.
+    With parallel.cp_ring > 1 an all-to-all group that spans nodes is a warning: the layout is meant to keep the
+    all-to-alls on NVLink (tp·cp/cp_ring ranks must fit in a node, and the node's rank count be a multiple)."""
+    a2a, ring = (pg.hcp[0], pg.hcp[1]) if layout.cp_ring > 1 else (pg.cp, None)
+    nodes = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node_of_this_rank())
+    spans = [None] * dist.get_world_size()  # per rank: (nodes of its a2a group, nodes of its ring)
+    dist.all_gather_object(spans, (len({nodes[r] for r in dist.get_process_group_ranks(a2a)}),
+                                   0 if ring is None else len({nodes[r] for r in dist.get_process_group_ranks(ring)})))
+    worst_a2a, worst_ring = max(a for a, _ in spans), max(r for _, r in spans)
+    total = len(set(nodes))
+    where = ("inside one node each" if worst_a2a == 1 else
+             f"spanning up to {worst_a2a} nodes (their all-to-alls cross the inter-node link)")
+    line = f"context parallel on {total} node(s): all-to-all groups of {layout.cp_a2a} ranks {where}"
+    if ring is not None:
+        line += f"; rings of {layout.cp_ring} across {worst_ring} node(s)"
+        if worst_a2a > 1:
+            line = (f"warning: {line}: parallel.cp_ring={layout.cp_ring} is meant to keep each all-to-all inside a "
+                    f"node; make tp·cp/cp_ring = {layout.tp * layout.cp_a2a} ranks divide the ranks per node")
+    return line
 
 
 def resolve_backend(backend: str) -> str:
@@ -69,7 +100,8 @@ def setup_distributed(config: Config, plan: Plan) -> Groups:
     layout = layout_of(config, plan)
     pg = initialize_parallel(layout, seed=config.train.seed, timeout_s=config.dist.timeout_s)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return Groups(layout, pg, dist.get_rank(), dist.get_world_size(), device, owns)
+    placement = cp_placement(layout, pg) if layout.cp > 1 else ""
+    return Groups(layout, pg, dist.get_rank(), dist.get_world_size(), device, owns, placement)
 
 
 def teardown(groups: Groups) -> None:
