@@ -145,6 +145,27 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
         destroy_parallel()
 
 
+def run_layouts(world_size: int, preset: str, vocab: int, batch: int, seq: int, steps: int,
+                layouts: list[dict]) -> dict[str, tuple[object, RunResult]]:
+    """On every rank of a job: the reference (dp = world size) and then each of `layouts`, all from the same random
+    HF weights and token batch; {name: (ParallelLayout, RunResult)}, reference first. A layout is ParallelLayout's
+    keyword arguments, plus optionally "run" (run_layout's keyword arguments) and "tag" (appended to the name,
+    layout.describe())."""
+    from megatron_upipe.models.presets import get_preset
+    from megatron_upipe.parallel import ParallelLayout
+
+    arch = get_preset(preset)
+    hf_sd = random_hf_state_dict(arch, vocab, seed=0)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for kw in [dict(dp=world_size)] + layouts:
+        kw = dict(kw)
+        run_kwargs, tag = kw.pop("run", {}), kw.pop("tag", "")
+        layout = ParallelLayout(**kw)
+        results[layout.describe() + tag] = (layout, run_layout(layout, arch, hf_sd, tokens, steps=steps, **run_kwargs))
+    return results
+
+
 def _gather_stage(named, arch, vocab, pg, offset) -> dict[str, torch.Tensor]:
     """HF-named full tensors of every pipeline stage, on every rank."""
     from megatron_upipe.checkpoint.hf_convert import stage_to_hf

@@ -32,18 +32,9 @@ LAYOUTS = [
 
 
 def _job(rank, world_size, layouts):
-    from megatron_upipe.models.presets import get_preset
-    from megatron_upipe.parallel import ParallelLayout
-    from tests.llama_harness import random_hf_state_dict, run_layout
+    from tests.llama_harness import run_layouts
 
-    arch = get_preset(ARCH)
-    hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    results = {}
-    for kw in [dict(dp=world_size)] + layouts:
-        layout = ParallelLayout(**kw)
-        results[layout.describe()] = run_layout(layout, arch, hf_sd, tokens, steps=STEPS)
-    return results
+    return {name: r for name, (_, r) in run_layouts(world_size, ARCH, VOCAB, BATCH, SEQ, STEPS, layouts).items()}
 
 
 def _groups_job(rank, world_size):

@@ -31,26 +31,15 @@ LAYOUTS = [
     *[dict(tp=2, sequence_parallel=True, cp=2, cp_strategy="upipe", upipe_heads_per_stage=u) for u in (2, 4)],
     dict(pp=2, cp=2, cp_strategy="upipe"),
 ]
-RECOMPUTE = dict(cp=2, dp=2, cp_strategy="upipe")  # again with full activation recompute (the paper's setting)
+# again with full activation recompute (the paper's setting)
+RECOMPUTE = dict(cp=2, dp=2, cp_strategy="upipe", run=dict(recompute_granularity="full"), tag="+recompute")
 
 
 def _job(rank, world_size, layouts):
-    from megatron_upipe.models.presets import get_preset
-    from megatron_upipe.parallel import ParallelLayout
-    from tests.llama_harness import random_hf_state_dict, run_layout
+    from tests.llama_harness import run_layouts
 
-    arch = get_preset(ARCH)
-    hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    results = {}
-    for kw in [dict(dp=world_size)] + layouts:
-        layout = ParallelLayout(**kw)
-        results[layout.describe()] = (layout.cp_strategy, run_layout(layout, arch, hf_sd, tokens, steps=STEPS))
-    layout = ParallelLayout(**RECOMPUTE)
-    results[layout.describe() + "+recompute"] = (
-        layout.cp_strategy, run_layout(layout, arch, hf_sd, tokens, steps=STEPS, recompute_granularity="full")
-    )
-    return results
+    runs = run_layouts(world_size, ARCH, VOCAB, BATCH, SEQ, STEPS, layouts + [RECOMPUTE])
+    return {name: (layout.cp_strategy, r) for name, (layout, r) in runs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,7 @@ MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
 read -r -a srun_extra <<<"${SRUN_EXTRA_ARGS:-}"
 read -r -a train_extra <<<"${EXTRA_ARGS:-}"
 
-export PYTHONUNBUFFERED=1
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # as memory.expandable_segments
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # megatron-core's comm/compute ordering
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a failed collective ends the job
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLS multicast buffers cost GBs per communicator; all-to-all never uses them (the planner's NCCL margin assumes off)
+source examples/launch_env.sh
 
 # The resolved config, overrides included, is the run's record and its only input.
 mkdir -p "$RUN_DIR"
