@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_upipe.attention.layout import local_positions
+from megatron_upipe.attention.layout import cp_rank_positions, local_positions
 
 SPLITS = ("contiguous", "zigzag")
 
@@ -33,9 +33,9 @@ def split_sequence(t: torch.Tensor, split: str, cp_rank: int, cp_size: int, seq_
         raise ValueError(f"ring_size={ring_size} must divide the {cp_size} CP ranks (and needs the contiguous split)")
     if cp_size == 1:
         return t
-    N, A = t.shape[seq_dim], cp_size // ring_size
+    N = t.shape[seq_dim]
     try:
-        pos = (local_positions(N, cp_rank % A, A, cp_rank // A, ring_size) if split == "contiguous" else
+        pos = (cp_rank_positions(N, cp_rank, cp_size, ring_size) if split == "contiguous" else
                local_positions(N, 0, 1, cp_rank, cp_size))  # [N/C]
     except ValueError as e:
         raise ValueError(f"{e} ({split} split over {cp_size} CP ranks)") from None

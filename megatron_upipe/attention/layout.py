@@ -36,3 +36,13 @@ def local_positions(N: int, a2a_rank: int, a2a_size: int, ring_rank: int = 0, ri
                        torch.arange((2 * ring_size - 1 - ring_rank) * n, (2 * ring_size - ring_rank) * n)])
     m = N // (ring_size * a2a_size)
     return group[a2a_rank * m:(a2a_rank + 1) * m]
+
+
+def cp_rank_positions(N: int, cp_rank: int, cp_size: int, ring_size: int = 1) -> torch.Tensor:
+    """`local_positions` of CP rank `cp_rank` of `cp_size` when the CP group is cut into all-to-all groups of
+    A = cp_size / ring_size consecutive ranks and a ring of them: CP rank = ring rank·A + a2a rank (megatron-core's
+    hierarchical CP groups, megatron_upipe.parallel)."""
+    if ring_size < 1 or cp_size % ring_size:
+        raise ValueError(f"ring_size={ring_size} must divide the {cp_size} CP ranks")
+    A = cp_size // ring_size
+    return local_positions(N, cp_rank % A, A, cp_rank // A, ring_size)

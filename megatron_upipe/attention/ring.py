@@ -12,8 +12,8 @@ row, so each block's dq/dk/dv is its exact share; no forward recompute). dq accu
 the K/V they belong to and one more hop brings them home. Every pass is in place, in pieces (`_pass_along`), so
 the received K/V and dK/dV never exist beside a second full copy.
 
-Not yet: overlap of the P2P passes with the block computation (they run between steps), and the UPipe/megatron-core
-integration (issue: hybrid UPipe x ring). Checked against float64 full attention in tests/test_ring.py on the CPU
+Not yet: overlap of the P2P passes with the block computation (they run between steps; overlapping them would need
+a second receive buffer). Used by the UPipe/Ulysses op with `ring_group` (training: parallel.cp_ring). Checked against float64 full attention in tests/test_ring.py on the CPU
 kernel; the CUDA kernels' log-sum-exp layouts ([b, h, S], [b, h, S, 1], or padded rows) are adapted here but not run.
 """
 
@@ -44,8 +44,9 @@ def _pass_along(tensors: list[torch.Tensor], group, piece_bytes: int = PIECE_BYT
     flat = [t.view(-1) for t in tensors]  # [numel] views (the tensors are contiguous)
     total = sum(t.numel() * t.element_size() for t in tensors)
     n = max(1, -(-total // piece_bytes))  # pieces per tensor
+    split = [f.tensor_split(n) for f in flat]  # per tensor: n contiguous [numel / n] views
     for i in range(n):
-        pieces = [f.tensor_split(n)[i] for f in flat]  # contiguous [numel / n] views
+        pieces = [parts[i] for parts in split]
         scratch = [torch.empty_like(p) for p in pieces]
         ops = [dist.P2POp(dist.isend, p, nxt, group) for p in pieces]
         ops += [dist.P2POp(dist.irecv, t, prv, group) for t in scratch]

@@ -202,7 +202,7 @@ class ParallelConfig:
     @property
     def cp_a2a(self) -> int:
         """A: the UPipe/Ulysses all-to-all group size (cp = A x cp_ring)."""
-        return self.cp // self.cp_ring if self.cp % self.cp_ring == 0 else self.cp
+        return self.cp // self.cp_ring  # __post_init__ refuses a cp_ring that does not divide cp
 
 
 @dataclass(frozen=True)

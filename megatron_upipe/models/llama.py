@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_upipe.attention.layout import local_positions
+from megatron_upipe.attention.layout import cp_rank_positions
 from megatron_upipe.models.chunked_loss import ChunkedLossGPTModel
 from megatron_upipe.models.presets import LlamaArch
 from megatron_upipe.models.rope_scaling import apply_rope_scaling
@@ -123,9 +123,8 @@ class RankRowsRotaryEmbedding(torch.nn.Module):
         if packed_seq:  # packed documents: the attention layers take angles_at(their in-document positions)
             return self.inner.get_emb(1, offset)[:0]  # [0, 1, 1, rot_dim] (and inv_freq on megatron's device)
         s = max_seq_len // self.cp_size  # [N] -> this rank's [s/C] positions
-        if self.cp_ring > 1:  # hybrid a2a x ring: zigzag over the ring (CP rank = ring rank·A + a2a rank)
-            A = self.cp_size // self.cp_ring
-            positions = local_positions(max_seq_len, self.cp_rank % A, A, self.cp_rank // A, self.cp_ring)
+        if self.cp_ring > 1:  # hybrid a2a x ring: zigzag over the ring
+            positions = cp_rank_positions(max_seq_len, self.cp_rank, self.cp_size, self.cp_ring)  # [s/C]
             return self.angles_at(positions + offset)  # [s/C, 1, 1, rot_dim]
         return self.inner.get_emb(s, offset + self.cp_rank * s)  # [s/C, 1, 1, rot_dim]
 

@@ -48,12 +48,13 @@ def cp_placement(layout: ParallelLayout, pg) -> str:
     With parallel.cp_ring > 1 an all-to-all group that spans nodes is a warning: the layout is meant to keep the
     all-to-alls on NVLink (tp·cp/cp_ring ranks must fit in a node, and the node's rank count be a multiple)."""
     a2a, ring = (pg.hcp[0], pg.hcp[1]) if layout.cp_ring > 1 else (pg.cp, None)
-    nodes = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, node_of_this_rank())
-    spans = [None] * dist.get_world_size()  # per rank: (nodes of its a2a group, nodes of its ring)
-    dist.all_gather_object(spans, (len({nodes[r] for r in dist.get_process_group_ranks(a2a)}),
-                                   0 if ring is None else len({nodes[r] for r in dist.get_process_group_ranks(ring)})))
-    worst_a2a, worst_ring = max(a for a, _ in spans), max(r for _, r in spans)
+    mine = (node_of_this_rank(), dist.get_process_group_ranks(a2a), [] if ring is None else
+            dist.get_process_group_ranks(ring))
+    every = [None] * dist.get_world_size()  # per global rank: (its node, its a2a group's ranks, its ring's ranks)
+    dist.all_gather_object(every, mine)
+    nodes = [node for node, _, _ in every]
+    worst_a2a = max(len({nodes[r] for r in group}) for _, group, _ in every)
+    worst_ring = max(len({nodes[r] for r in group}) for _, _, group in every)
     total = len(set(nodes))
     where = ("inside one node each" if worst_a2a == 1 else
              f"spanning up to {worst_a2a} nodes (their all-to-alls cross the inter-node link)")
