@@ -183,6 +183,7 @@ BAD = [  # (overrides on tiny_cpu.yaml, world size, expected substring)
      "train.seq_length=258 must be a multiple of 4 (2·cp: two zigzag chunks per ring rank"),
     (["parallel.cp_ring=2", "memory.upipe_overlap=true"], 2, "memory.upipe_overlap=true is not implemented with "
                                                               "parallel.cp_ring=2"),
+    (["memory.ring_overlap=true"], 2, "memory.ring_overlap=true overlaps the ring's P2P passes"),
     (["parallel.cp_ring=2", "data.document_mask=true", "train.micro_batch_size=1"], 2,
      "data.document_mask=true is not implemented with parallel.cp_ring=2"),
     (["parallel.cp=32", "parallel.cp_ring=2", "train.seq_length=1024"], 32,

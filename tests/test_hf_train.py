@@ -17,7 +17,7 @@ a LlamaForCausalLM and a Qwen3ForCausalLM (QK-norm, tied embeddings). One single
 After each of llama / qwen3 the job loads the step-3 checkpoint into a cp=2 UPipe model and computes the loss on a
 fixed batch; the exported HF model (transformers) gives the same loss within 2e-6 (float32 on both sides, loss
 ~8.3: 2e-6 is ~2 float32 ulps of it; the models differ only in summation order and attention kernels over 2 layers;
-measured 3.5e-8 for the Llama, 1.2e-8 for the Qwen3). The fsdp
+measured 8.7e-9 for the Llama, 1.9e-8 for the Qwen3). The fsdp
 export (the CLI, relaunching dp=2 on CPU) equals the reference tensor for tensor. Refusals go through
 `pretrain_llama.py --dry-run` (exit 2, one line): another model shape, another family feature, another vocabulary,
 a directory that is no checkpoint.

@@ -3,7 +3,7 @@ groups, tokens placed by attention.layout.local_positions. Output and every grad
 the whole sequence (attention/reference.py, plain softmax attention written for the tests), for a2a x ring layouts
 2x2, 1x2, 2x1 (4 and 2 gloo ranks) and 4x2, 2x4 (8 ranks, all three dtypes in one job), MHA, GQA and KV
 replication (one KV head on two a2a ranks), every legal U and Ulysses, with RoPE, float64 / float32 / bf16; global
-lengths that are not powers of two."""
+lengths that are not powers of two. The ring's overlapped passes (ring_overlap) give the serial op's bits."""
 
 from __future__ import annotations
 
@@ -113,6 +113,39 @@ def test_hybrid_on_eight_ranks_equals_full_attention(A, R, H, G, N, strategies):
     print(WORST)
 
 
+def _overlap_job(rank, world_size, A, R, H, G, N, strategies):
+    """Per dtype and strategy: does ring_overlap=True give the serial op's output and gradients bit for bit?"""
+    from megatron_upipe.attention import api
+    from megatron_upipe.attention.layout import local_positions
+    from megatron_upipe.attention.reference import rope_angles
+
+    a2a, ring, a, r = _groups(A, R)
+    d, D = 8, 32
+    pos = local_positions(N, a, A, r, R)
+    same = {}
+    for dtype in TOL:
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(N, 1, D, generator=gen, dtype=dtype)[pos]
+        ws = [torch.randn(n * d, D, generator=gen, dtype=dtype) * D ** -0.5 for n in (H, G, G)]
+        dy = torch.randn(N, 1, H * d, generator=gen, dtype=dtype)[pos]
+        for name in strategies:
+            runs = []
+            for ring_overlap in (False, True):
+                ins = [t.clone().requires_grad_() for t in (x, *ws)]
+                kw = dict(num_heads=H, num_kv_heads=G, cp_group=a2a, ring_group=ring, ring_overlap=ring_overlap,
+                          rotary_pos_emb=rope_angles(N, d).to(dtype))
+                y = (api.ulysses_attention(*ins, **kw) if name == "ulysses" else
+                     api.upipe_attention(*ins, heads_per_stage=int(name.split(":")[1]), **kw))
+                runs.append([y, *torch.autograd.grad(y, ins, dy)])
+            same[f"{dtype}/{name}"] = all(torch.equal(s, o) for s, o in zip(*runs))
+    return same
+
+
+def test_ring_overlap_equals_serial_passes_bit_for_bit():
+    for per_rank in run_on_ranks(_overlap_job, 4, 2, 2, 8, 2, 72, ["upipe:2", "upipe:8", "ulysses"]):
+        assert len(per_rank) == 9 and all(per_rank.values()), per_rank
+
+
 def _refused(rank, world_size):
     from megatron_upipe.attention import api
 
@@ -121,9 +154,9 @@ def _refused(rank, world_size):
     w = [torch.randn(n * 4, 16) for n in (2, 2, 2)]
     kw = dict(num_heads=2, num_kv_heads=2, cp_group=None, ring_group=ring)
     msgs = []
-    for extra in (dict(causal=False), dict(overlap=True)):
+    for extra in (dict(causal=False), dict(overlap=True), dict(ring_group=None, ring_overlap=True)):
         try:
-            api.upipe_attention(x, *w, **kw, **extra)
+            api.upipe_attention(x, *w, **{**kw, **extra})
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
@@ -133,3 +166,4 @@ def _refused(rank, world_size):
 def test_what_the_ring_does_not_do_is_refused_in_one_line():
     msgs = run_on_ranks(_refused, 2)[0]
     assert "drop causal=False or ring_group" in msgs[0] and "drop overlap=True or ring_group" in msgs[1], msgs
+    assert msgs[2].startswith("ring_overlap=True") and "needs ring_group" in msgs[2], msgs

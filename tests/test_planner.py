@@ -31,6 +31,9 @@ CASES = {
     "upipe cp 1x2 (a ring of 2, parallel.cp_ring), full recompute, tiled MLP": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_ring=2", "parallel.cp_strategy=upipe",
         "train.seq_length=512", "memory.recompute=full", "memory.mlp_chunks=4"],
+    "ulysses cp 1x2, ring passes overlapped (memory.ring_overlap), no recompute": [
+        "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_ring=2", "parallel.cp_strategy=ulysses",
+        "train.seq_length=512", "memory.ring_overlap=true"],
     "ulysses cp2 x dp1, no recompute": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=512"],
     "tp2 + sequence parallel, upipe off": [

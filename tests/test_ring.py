@@ -50,7 +50,41 @@ def _job(rank, world_size, N, dtype):
                                      D ** -0.5, piece_bytes=100)
     assert all(torch.equal(a, b) for a, b in zip((out, dq, dk, dv), (out2, *grads2)))
     assert all(torch.equal(a, b) for a, b in zip(kept, local[1:3]))
-    return errs, [t.dtype for t in (out, dq, dk, dv)], len(blocks)
+    # Overlapped passes (whole buffers in flight during the blocks): the same bits, the caller's k and v untouched.
+    in_flight = _count_passes_in_flight()
+    out3, lse3, blocks3 = ring_attention_forward(*local[:3], group, KERNELS["cpu_flash"], D ** -0.5, overlap=True)
+    grads3 = ring_attention_backward(local[3], *local[:3], out3, lse3, blocks3, group, KERNELS["cpu_flash"],
+                                     D ** -0.5, overlap=True)
+    assert all(torch.equal(a, b) for a, b in zip((out, dq, dk, dv), (out3, *grads3)))
+    assert all(torch.equal(a, b) for a, b in zip(kept, local[1:3]))
+    return errs, [t.dtype for t in (out, dq, dk, dv)], len(blocks), in_flight
+
+
+def _count_passes_in_flight() -> dict[str, list[int]]:
+    """Patches ring.py (in this worker process) to record, per kernel call, how many P2P passes were in flight."""
+    from megatron_upipe.attention import ring
+
+    seen, alive = {"fwd": [], "bwd": []}, set()
+
+    class Passing(ring._Passing):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            alive.add(id(self))
+
+        def arrived(self):
+            alive.discard(id(self))
+            return super().arrived()
+
+    def counted(name, fn):
+        def call(*a, **kw):
+            seen[name].append(len(alive))
+            return fn(*a, **kw)
+        return call
+
+    ring._Passing = Passing
+    ring.kernel_forward = counted("fwd", ring.kernel_forward)
+    ring.kernel_backward = counted("bwd", ring.kernel_backward)
+    return seen
 
 
 ERRORS: dict = {}  # (R, dtype) -> worst error over ranks, printed by the last case (pytest -s) for the notes
@@ -59,12 +93,20 @@ ERRORS: dict = {}  # (R, dtype) -> worst error over ranks, printed by the last c
 @pytest.mark.parametrize("R, N", [(1, 40), (2, 40), (4, 48)])  # local lengths 40, 20, 12: not powers of two
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_ring_attention_equals_full_attention(R, N, dtype):
+    from megatron_upipe.attention.ring import block_pairs
+
     results = run_on_ranks(_job, R, N, dtype)
-    for rank, (errs, dtypes, blocks) in enumerate(results):
+    for rank, (errs, dtypes, blocks, in_flight) in enumerate(results):
         assert max(errs) < TOL[dtype], (rank, errs)
         assert dtypes == [dtype] * 4
         # kernel calls per rank: the 2R(2R+1)/2 (query chunk, key chunk <= it) blocks shared evenly by the R ranks
         assert blocks == 2 * R + 1
+        # overlap: every forward block but the last step's computes with the next K/V in flight (the last step's
+        # blocks: rank r's own query chunks against src = r + 1, one block); every backward block with the next
+        # K/V or the last step's dK/dV in flight
+        last_step = len(block_pairs(rank, (rank + 1) % R, R))
+        assert in_flight["fwd"] == [1] * (blocks - last_step) + [0] * last_step if R > 1 else [0] * blocks
+        assert all(n >= 1 for n in in_flight["bwd"]) if R > 1 else in_flight["bwd"] == [0] * blocks
         ERRORS[(R, str(dtype))] = max(ERRORS.get((R, str(dtype)), 0.0), max(errs))
     print(ERRORS)
 

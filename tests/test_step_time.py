@@ -100,6 +100,11 @@ def test_predict_prices_the_work_as_documented():
     assert t.seconds == pytest.approx(2 + 4 + 2.012 + 4) and t.tokens_per_s_per_gpu == pytest.approx(1000 / t.seconds)
     # pipelined stages: one of 4 stages' all-to-all time stays exposed, the rest hides under 4 s of attention
     assert predict(w, hw, 8000, 8, overlap_stages=4).parts["all-to-all"] == pytest.approx(2.012 / 4)
+    # P2P (the ring's passes): on the critical path, or with memory.ring_overlap only what exceeds the attention
+    sends = {**w, "bytes:send:ib": 5 * 10**10, "calls:send:ib": 4}
+    assert predict(sends, hw, 8000, 8).parts["p2p"] == pytest.approx(5 + 0.004)
+    assert predict(sends, hw, 8000, 8, ring_overlap=True).parts["p2p"] == pytest.approx(5.004 - 4)
+    assert predict(w, hw, 8000, 8, ring_overlap=True).parts["p2p"] == 0
 
 
 def test_calibration_recovers_known_efficiencies():

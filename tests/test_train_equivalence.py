@@ -6,7 +6,7 @@ dp2, tp2 x cp2 UPipe (dp1), cp 2x2 UPipe and tp2 x cp 1x2 UPipe. The global batc
 1234) is the same in every layout; megatron-core's CPU initialisation gives the same initial weights. Compared per
 step: the loss (rtol 1e-5) and the global gradient norm (rtol 1e-4), over 4 Adam steps with clipping and warmup +
 cosine LR. The cp2 run's step-2 checkpoint is then resumed as cp=4 UPipe (dp1), and the 2x2 run's as cp 1x4 (a
-ring of 4): steps 3-4 must follow the same curve.
+ring of 4, with the ring's P2P passes overlapped: memory.ring_overlap): steps 3-4 must follow the same curve.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ LAYOUTS = {
 }
 RESUMED = {  # name: (the run whose checkpoint it loads, its layout)
     "cp4-upipe-resumed": ("cp2-upipe", ["parallel.cp=4", "parallel.cp_strategy=upipe"]),
-    "cp1x4-upipe-resumed": ("cp2x2-upipe", ["parallel.cp=4", "parallel.cp_ring=4", "parallel.cp_strategy=upipe"]),
+    "cp1x4-upipe-resumed": ("cp2x2-upipe", ["parallel.cp=4", "parallel.cp_ring=4", "parallel.cp_strategy=upipe",
+                                            "memory.ring_overlap=true"]),
 }
 RESUME_AT = 2  # cp2-upipe (x dp2) saves here; a cp=4 UPipe run (dp1) resumes from it
 

@@ -94,7 +94,8 @@ def _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps) -> 
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
              ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
              norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-             qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None):
+             qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None,
+             ring_overlap: bool = False):
     if norm_tile_rows < 1:
         raise ValueError(f"norm_tile_rows={norm_tile_rows} must be positive")
     if grad_accum not in ("fp32", "input"):
@@ -110,6 +111,8 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
         if (x.shape[0] * C) % 2:
             raise ValueError(f"ring_group: each a2a group holds two zigzag chunks of its {x.shape[0] * C} tokens, "
                              f"which must be even")
+    elif ring_overlap:
+        raise ValueError("ring_overlap=True overlaps the ring's P2P passes: it needs ring_group (or drop ring_overlap)")
     if w_o is not None and (w_o.shape != (x.shape[-1], w_q.shape[0] * w_q.shape[1] * w_q.shape[2])
                             or w_o.dtype != x.dtype):
         raise ValueError(f"w_o must be [D, G·g·d] = [{x.shape[-1]}, {w_q.shape[0] * w_q.shape[1] * w_q.shape[2]}] "
@@ -130,7 +133,8 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
                  accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows,
-                 qk_norm_eps=float(qk_norm_eps), docs=docs, overlap=bool(overlap), ring=ring_group)
+                 qk_norm_eps=float(qk_norm_eps), docs=docs, overlap=bool(overlap), ring=ring_group,
+                 ring_overlap=bool(ring_overlap))
     if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
         if ring_group is None:  # contiguous: a view
             rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
@@ -145,7 +149,7 @@ def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
     norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None, ring_overlap: bool = False,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
@@ -170,7 +174,7 @@ def upipe_attention_grouped(
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
                         norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
                         k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap,
-                        ring_group=ring_group)
+                        ring_group=ring_group, ring_overlap=ring_overlap)
     cos, sin = rope if rope is not None else (None, None)
     return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
@@ -179,7 +183,7 @@ def ulysses_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None, kernel: str | None = None,
     grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5, norm_tile_rows: int = 32768,
     b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6, cu_seqlens=None,
-    ring_group=None,
+    ring_group=None, ring_overlap: bool = False,
 ):
     """Plain Ulysses with grouped weights (see `upipe_attention_grouped`): one stage of all H heads whose q, k, v
     and out stay in head layout for backward, as DeepSpeed's DistributedAttention over flash attention keeps them.
@@ -188,7 +192,8 @@ def ulysses_attention_grouped(
     op, rope = _prepare(x, w_q, w_k, w_v, cp_group, None, rotary_pos_emb, causal, softmax_scale, kernel, ulysses=True,
                         grad_accum=grad_accum, w_o=w_o, norm_w=norm_w, norm_eps=norm_eps,
                         norm_tile_rows=norm_tile_rows, b_q=b_q, b_k=b_k, b_v=b_v, q_norm_w=q_norm_w,
-                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, ring_group=ring_group)
+                        k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, ring_group=ring_group,
+                        ring_overlap=ring_overlap)
     cos, sin = rope if rope is not None else (None, None)
     return UPipeFunction.apply(x, w_q, w_k, w_v, w_o, norm_w, b_q, b_k, b_v, q_norm_w, k_norm_w, cos, sin, op)
 
@@ -230,7 +235,7 @@ def _group_biases(w_q, b_q, b_k, b_v, num_heads: int, num_kv_heads: int):
 def upipe_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True,
     softmax_scale=None, kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None, ring_overlap: bool = False,
 ):
     """UPipe attention of this rank's tokens.
 
@@ -250,6 +255,8 @@ def upipe_attention(
     ring_group: hybrid UPipe x ring (cp_group is then the all-to-all group): rank (a, r) holds the tokens
     `layout.local_positions(N, a, C, r, R)` (N = s·C·R: zigzag chunks over the R ring ranks, contiguous inside the
     a2a group) and each stage's attention runs as causal ring attention over ring_group (ring.py).
+    ring_overlap: the ring's P2P passes run while its blocks compute (same results bit for bit; whole receive
+    buffers instead of pieces: ring.py).
     Returns [s, b, H·d]: the attention output of this rank's tokens, heads in natural order (input of W_O).
     Differentiable with respect to x, w_q, w_k, w_v and the biases and QK-norm weights given.
     """
@@ -259,13 +266,14 @@ def upipe_attention(
         x, gq, gk, gv, cp_group=cp_group, heads_per_stage=heads_per_stage, rotary_pos_emb=rotary_pos_emb,
         causal=causal, softmax_scale=softmax_scale, kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w,
         k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps, cu_seqlens=cu_seqlens, overlap=overlap, ring_group=ring_group,
+        ring_overlap=ring_overlap,
     )
 
 
 def ulysses_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None, qk_norm_eps: float = 1e-6,
-    cu_seqlens=None, ring_group=None,
+    cu_seqlens=None, ring_group=None, ring_overlap: bool = False,
 ):
     """Plain Ulysses baseline; same arguments and result as `upipe_attention` without heads_per_stage."""
     gq, gk, gv = _group_weights(x, w_q, w_k, w_v, num_heads, num_kv_heads)
@@ -273,5 +281,5 @@ def ulysses_attention(
     return ulysses_attention_grouped(
         x, gq, gk, gv, cp_group=cp_group, rotary_pos_emb=rotary_pos_emb, causal=causal, softmax_scale=softmax_scale,
         kernel=kernel, b_q=bq, b_k=bk, b_v=bv, q_norm_w=q_norm_w, k_norm_w=k_norm_w, qk_norm_eps=qk_norm_eps,
-        cu_seqlens=cu_seqlens, ring_group=ring_group,
+        cu_seqlens=cu_seqlens, ring_group=ring_group, ring_overlap=ring_overlap,
     )

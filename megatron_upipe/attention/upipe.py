@@ -99,6 +99,7 @@ class StageOp:
     # Hybrid UPipe x ring: each stage's attention runs as causal ring attention over this group (ring.py) on the
     # a2a group's zigzag tokens (layout.local_positions); None: one kernel call on the group's whole sequence.
     ring: dist.ProcessGroup | None = None
+    ring_overlap: bool = False  # the ring's P2P passes during its block computation (ring.py; memory.ring_overlap)
 
 
 def _acc_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
@@ -344,7 +345,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b
         if op.ring is None:
             o, lse, aux = kernel_forward(op.kernel, *qkv, op.causal, op.scale, docs=op.docs)  # o [b, m, N, d]
         else:  # N: the a2a group's zigzag tokens; causal over the whole ring
-            o, lse, aux = ring_attention_forward(*qkv, op.ring, op.kernel, op.scale)
+            o, lse, aux = ring_attention_forward(*qkv, op.ring, op.kernel, op.scale, overlap=op.ring_overlap)
         del qkv
         nxt = _settle(nxt)  # the next stage's inputs have arrived (on CUDA: the stream waits): send buffers freed
         if op.save_heads:
@@ -510,7 +511,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         if op.ring is None:
             dq, dk, dv = kernel_backward(op.kernel, *args, op.causal, op.scale, docs=op.docs)
         else:
-            dq, dk, dv = ring_attention_backward(*args, op.ring, op.kernel, op.scale)
+            dq, dk, dv = ring_attention_backward(*args, op.ring, op.kernel, op.scale, overlap=op.ring_overlap)
         del args  # dq [b, m, N, d]; dk, dv [b, a1-a0, N, d]
         nxt = _settle(nxt)  # the next stage's inputs have arrived (on CUDA: the stream waits): send buffers freed
         del q_head, o_head, do_head

@@ -370,6 +370,11 @@ class MemoryConfig:
     # asynchronous all-to-alls and the previous stage's result drains (forward and backward). Same results bit for
     # bit; costs the next stage's buffers in flight (send + receive), which the memory planner counts.
     upipe_overlap: bool = False
+    # Hybrid a2a x ring (parallel.cp_ring > 1): the ring's P2P passes (the next K/V; in backward also the last step's
+    # dK/dV) run while its blocks compute, instead of between steps. Same results bit for bit; costs whole receive
+    # buffers instead of 256 MiB pieces (one more K/V copy in forward, one more K/V and float32 dK/dV copy in
+    # backward, per stage), which the memory planner counts.
+    ring_overlap: bool = False
     # The device a start-up plan checks against (parallel.upipe_heads_per_stage=auto): "local" (this GPU's reported
     # total; not on a machine without one), a planner GPU name (h100-80gb, h200, a100-80gb, ...) or usable GiB.
     plan_gpu: str | float = "local"

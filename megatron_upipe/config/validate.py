@@ -154,6 +154,9 @@ def validate(config: Config, world_size: int) -> Plan:
     if p.cp_ring > 1 and config.memory.upipe_overlap:
         errors.append(f"memory.upipe_overlap=true is not implemented with parallel.cp_ring={p.cp_ring} (the ring's "
                       f"stages run serially): set memory.upipe_overlap=false or parallel.cp_ring=1")
+    if p.cp_ring == 1 and config.memory.ring_overlap:
+        errors.append("memory.ring_overlap=true overlaps the ring's P2P passes of hybrid a2a x ring: set "
+                      "parallel.cp_ring > 1 or memory.ring_overlap=false")
     if p.cp_ring > 1 and d.document_mask:
         errors.append(f"data.document_mask=true is not implemented with parallel.cp_ring={p.cp_ring} (ring attention "
                       f"is causal over one whole sequence): set data.document_mask=false or parallel.cp_ring=1")

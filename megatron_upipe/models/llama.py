@@ -149,7 +149,7 @@ def build_llama(
     arch: LlamaArch, layout: ParallelLayout, pg_collection, *, vocab_size: int | None = None,
     dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None, mlp_chunks: int = 1,
     loss_chunks: int = 1, offloader=None, attention_grad_accum: str = "fp32", upipe_overlap: bool = False,
-    attention_kernel: str = "auto", kernel_device=None,
+    ring_overlap: bool = False, attention_kernel: str = "auto", kernel_device=None,
 ) -> LlamaStage:
     """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`.
 
@@ -157,7 +157,8 @@ def build_llama(
     offloader: `memory.offload_checkpoints` - a `megatron_upipe.memory_stack.offload.HostOffloader` (or the memory
     planner's SimulatedHostOffloader) that keeps each checkpointed layer input until its backward; needs the
     config's full recompute. None = off. attention_grad_accum: `memory.attention_grad_accum` of the UPipe/Ulysses op.
-    upipe_overlap: `memory.upipe_overlap`, the UPipe op's pipelined stages.
+    upipe_overlap: `memory.upipe_overlap`, the UPipe op's pipelined stages. ring_overlap: `memory.ring_overlap`,
+    the hybrid ring's P2P passes during its block computation.
     attention_kernel / kernel_device: `model.attention_kernel` and the run's device (see spec.build_cp_plan).
     """
     vocab = vocab_size if vocab_size is not None else arch.vocab_size
@@ -168,7 +169,8 @@ def build_llama(
     config = config if config is not None else llama_transformer_config(arch, layout, dtype=dtype)
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
     plan = build_cp_plan(config, layout, pp_rank=pp_rank, grad_accum=attention_grad_accum,
-                         attention_kernel=attention_kernel, kernel_device=kernel_device, overlap=upipe_overlap)
+                         attention_kernel=attention_kernel, kernel_device=kernel_device, overlap=upipe_overlap,
+                         ring_overlap=ring_overlap)
     if mlp_chunks > 1:
         plan = dataclasses.replace(plan, block_spec=with_tiled_mlp_block(plan.block_spec, mlp_chunks))
     model_cls, extra = (ChunkedLossGPTModel, {"loss_chunks": loss_chunks}) if loss_chunks > 1 else (GPTModel, {})

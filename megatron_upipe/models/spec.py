@@ -109,13 +109,14 @@ def _op_kernel(name: str, config: TransformerConfig, device) -> str | None:
 
 def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: int = 0,
                   grad_accum: str = "fp32", attention_kernel: str = "auto", kernel_device=None,
-                  overlap: bool = False) -> CPPlan:
+                  overlap: bool = False, ring_overlap: bool = False) -> CPPlan:
     """Layer spec of pipeline stage `pp_rank` for `layout.cp_strategy` (the only reader of that field).
     grad_accum: the UPipe/Ulysses op's backward accumulation ('fp32' or 'input'); other strategies need 'fp32'.
     attention_kernel: `model.attention_kernel`, the UPipe/Ulysses op's local kernel ('auto' or a name from
     megatron_upipe.attention.kernels.KERNELS); other strategies need 'auto'. kernel_device: the device the model
     will run on; with it a named kernel that cannot run there is refused now, before any parameter exists.
-    overlap: UPipe's pipelined stages (`memory.upipe_overlap`); 'upipe' only."""
+    overlap: UPipe's pipelined stages (`memory.upipe_overlap`); 'upipe' only. ring_overlap: the hybrid ring's P2P
+    passes during its blocks (`memory.ring_overlap`); 'ulysses' or 'upipe' with layout.cp_ring > 1."""
     strategy = layout.cp_strategy
     norm = RMSNorm
     if strategy == "none":
@@ -128,10 +129,10 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
         check_supported(config, layout.tp)
         kernel = _op_kernel(attention_kernel, config, kernel_device)
         op = (
-            partial(ulysses_attention_grouped, grad_accum=grad_accum, kernel=kernel)
+            partial(ulysses_attention_grouped, grad_accum=grad_accum, kernel=kernel, ring_overlap=ring_overlap)
             if strategy == "ulysses"
             else partial(upipe_attention_grouped, heads_per_stage=layout.upipe_heads_per_stage, grad_accum=grad_accum,
-                         kernel=kernel, overlap=overlap)
+                         kernel=kernel, overlap=overlap, ring_overlap=ring_overlap)
         )
         layer, split, rank_rope = _headwise_cp_layer_spec(config, op, layout.cp_ring), "contiguous", True
     elif strategy in TE_STRATEGIES:
@@ -148,6 +149,9 @@ def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: in
     if overlap and strategy != "upipe":
         raise ValueError(f"upipe_overlap pipelines UPipe's head stages; cp_strategy={strategy!r} has none to overlap: "
                          f"set memory.upipe_overlap=false")
+    if ring_overlap and (layout.cp_ring == 1 or strategy not in ("ulysses", "upipe")):
+        raise ValueError(f"ring_overlap overlaps the P2P passes of a hybrid a2a x ring layout "
+                         f"(cp_ring={layout.cp_ring}, cp_strategy={strategy!r}): set memory.ring_overlap=false")
     if strategy != "upipe" and layout.upipe_heads_per_stage is not None:
         raise ValueError(f"upipe_heads_per_stage is set but cp_strategy={strategy!r}; it only applies to 'upipe'")
     num_layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)

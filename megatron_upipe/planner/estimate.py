@@ -85,6 +85,7 @@ class Estimate:
     work: dict = field(default_factory=dict)  # the step's FLOPs and collective bytes (planner/step_time.py)
     tokens_per_step: int = 0  # global batch x sequence length
     overlap_stages: int = 0  # UPipe stages per layer when memory.upipe_overlap pipelines them, else 0
+    ring_overlap: bool = False  # memory.ring_overlap: the hybrid ring's P2P passes during its blocks
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -135,12 +136,14 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
     overlap = plan.upipe_stages if cfg.memory.upipe_overlap and cfg.parallel.cp_strategy == "upipe" else 0
     return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes and host.fits, breakdown, host.per_rank_bytes,
                     gpu_mem_bytes, step.peak_bytes, device, named, host.breakdown, host.per_node_bytes,
-                    host.host_mem_bytes, host.fits, dict(step.work or {}), plan.tokens_per_step, overlap or 0)
+                    host.host_mem_bytes, host.fits, dict(step.work or {}), plan.tokens_per_step, overlap or 0,
+                    cfg.memory.ring_overlap)
 
 
 def step_time(est: Estimate, world_size: int, hw: Hardware) -> StepTime:
     """The step-time model's prediction for an estimate's counted work on `hw` (planner/step_time.py)."""
-    return predict(est.work, hw, est.tokens_per_step, world_size, overlap_stages=est.overlap_stages)
+    return predict(est.work, hw, est.tokens_per_step, world_size, overlap_stages=est.overlap_stages,
+                   ring_overlap=est.ring_overlap)
 
 
 def format_time(est: Estimate, world_size: int, hw: Hardware) -> str:

@@ -10,14 +10,15 @@ the planner's fake mode with every op the step runs):
   reduce-scatter (g-1)/g of its input, all-reduce 2(g-1)/g, send its tensors; and the number of calls.
 
 Priced (`predict`): compute = GEMM FLOPs / (peak · gemm_efficiency) + attention FLOPs / (peak ·
-attention_efficiency); the attention all-to-alls (and pipeline sends) are on the critical path: bytes / link
-bandwidth + calls · latency, except that with `memory.upipe_overlap` all but one stage's share of the all-to-all
-time hides under the attention kernels; Megatron-FSDP's / DDP's all-gathers, reduce-scatters and all-reduces
-overlap with compute and cost only what exceeds it. Not modelled: memory-bound element-wise work (norms, RoPE,
-SwiGLU, softmax of the loss, accumulations: absorbed by the calibrated GEMM efficiency), host offload copies (on a
-side stream, small beside a layer's compute), the optimizer step, kernel-efficiency loss of small per-stage calls
-(measured on an H200 at C = 1: 1.2% at U = 16 and 7.8% at U = 1 for one Llama3-8B layer at 128K,
-docs/gpu_results.md).
+attention_efficiency); the attention all-to-alls and the P2P sends (the hybrid ring's passes, pipeline sends) are on
+the critical path: bytes / link bandwidth + calls · latency, except that with `memory.upipe_overlap` all but one
+stage's share of the all-to-all time hides under the attention kernels, and with `memory.ring_overlap` the P2P time
+does and costs only what exceeds them (pipeline sends, if any, are counted with the ring's); Megatron-FSDP's / DDP's
+all-gathers, reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. Not modelled:
+memory-bound element-wise work (norms, RoPE, SwiGLU, softmax of the loss, accumulations: absorbed by the calibrated
+GEMM efficiency), host offload copies (on a side stream, small beside a layer's compute), the optimizer step,
+kernel-efficiency loss of small per-stage calls (measured on an H200 at C = 1: 1.2% at U = 16 and 7.8% at U = 1 for
+one Llama3-8B layer at 128K, docs/gpu_results.md).
 
 The two efficiencies are calibrated (`calibrate`) on measured step times of one strategy (the paper's Ulysses
 column, tools/step_time_report.py) and then used unchanged for the others.
@@ -157,17 +158,19 @@ def comm_seconds(work: dict[str, int], kinds: tuple[str, ...], hw: Hardware) -> 
     return t
 
 
-def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size: int, *, overlap_stages: int = 0
-            ) -> StepTime:
+def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size: int, *, overlap_stages: int = 0,
+            ring_overlap: bool = False) -> StepTime:
     """Seconds per training step and tokens/s per GPU from the counted `work` of rank 0 (every rank does the same
     work); `overlap_stages` = the number of UPipe stages per layer when memory.upipe_overlap pipelines them (0: the
-    all-to-alls run serially)."""
+    all-to-alls run serially); `ring_overlap`: memory.ring_overlap, the ring's passes run during its blocks."""
     gemm = work.get("flops:gemm", 0) / (hw.peak_flops * hw.gemm_efficiency)
     attention = work.get("flops:attention", 0) / (hw.peak_flops * hw.attention_efficiency)
     a2a = comm_seconds(work, ("alltoall",), hw)
     if overlap_stages > 1:  # one stage's share stays exposed; the rest hides under the attention kernels
         a2a = a2a / overlap_stages + max(0.0, a2a * (overlap_stages - 1) / overlap_stages - attention)
     p2p = comm_seconds(work, ("send",), hw)
+    if ring_overlap:
+        p2p = max(0.0, p2p - attention)
     sharding = max(0.0, comm_seconds(work, ("allgather", "reduce_scatter", "allreduce"), hw) - gemm - attention)
     parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "sharding collectives": sharding, "p2p": p2p}
     seconds = sum(parts.values())

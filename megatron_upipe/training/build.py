@@ -123,7 +123,7 @@ def memory_switches(config: Config, plan: Plan, bf16: bool, offloader_cls=HostOf
     m = config.memory
     pool = offload_pool_bytes(config, plan, 2 if bf16 else 4, pp_rank)
     return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks, "attention_grad_accum": m.attention_grad_accum,
-            "upipe_overlap": m.upipe_overlap,
+            "upipe_overlap": m.upipe_overlap, "ring_overlap": m.ring_overlap,
             "offloader": offloader_cls(pool_bytes=pool) if m.offload_checkpoints else None}
 
 
