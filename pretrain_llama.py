@@ -42,7 +42,7 @@ from megatron_upipe.cli import ArgumentParser
 from megatron_upipe.config import (
     Config, ConfigError, Plan, check_paths, load_config, machine_problems, to_yaml, validate,
 )
-from megatron_upipe.training.auto_heads import resolve_auto_heads
+from megatron_upipe.training.auto_heads import plans_heads, resolve_auto_heads
 
 PROG = "pretrain_llama.py"
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = validate(config, world_size)
         check_paths(config)
         auto_note = None
-        if plan.heads_per_stage_auto:  # every rank asks the planner (same answer everywhere, no collective)
+        if plans_heads(config):  # U auto or unset: every rank asks the planner (same answer, no collective)
             config, auto_note = resolve_auto_heads(config, world_size)
             plan = validate(config, world_size)
         if args.dry_run:  # --check-machine: all ranks on this node

@@ -163,9 +163,12 @@ class ParallelConfig:
     # none | ulysses | upipe | TE's p2p, a2a, a2a+p2p. Allowed with cp=1 (one code path for cp sweeps; UPipe's
     # head stages still cut attention memory there).
     cp_strategy: CpStrategy = "none"
-    # U: heads per stage, counted over the cp ranks, out of the heads local to one TP rank; null = smallest legal;
-    # auto = at start-up the memory planner picks the largest legal U (fewest stages) whose plan fits the device
-    # (memory.plan_gpu) and the host at train.seq_length, and prints its choice and why.
+    # U: heads per stage, counted over the cp ranks, out of the heads local to one TP rank. auto = at start-up the
+    # memory planner picks the fastest legal U whose plan fits the device (memory.plan_gpu) and the host at
+    # train.seq_length (with serial stages the largest that fits), and prints its choice and why. null (default):
+    # the training job does the same as auto, except that with nothing to plan against (memory.plan_gpu=local on a
+    # machine without a GPU) it takes the smallest legal U and says so; the planner and library callers read null
+    # as the smallest legal U.
     upipe_heads_per_stage: int | Literal["auto"] | None = None
     sequence_parallel: bool = False  # megatron sequence parallelism inside the TP group (needs tp > 1)
     # R, hybrid context parallelism: cp = A x R. Each UPipe/Ulysses all-to-all runs inside a group of A = cp/cp_ring

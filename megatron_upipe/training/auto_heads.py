@@ -1,10 +1,13 @@
-"""Start-up resolution of `parallel.upipe_heads_per_stage=auto` (planner/choose_heads.py picks the U).
+"""Start-up choice of UPipe's U (planner/choose_heads.py picks it) for `parallel.upipe_heads_per_stage=auto`, and
+for cp_strategy=upipe with upipe_heads_per_stage unset (null): the training job's default.
 
 Every rank runs it before the process group exists, on the same config and world size, so every rank gets the
 same U without a collective. The planner runs in a subprocess (tools/estimate_memory.py on the config written out
 as YAML, as training/memory_check.py does: the planner builds its own fake process group) with no GPU visible and
 one simulation at a time. The device it plans against is `memory.plan_gpu`: "local" is this rank's GPU as it
-reports its total (torch.cuda.get_device_properties), passed on as usable GiB.
+reports its total (torch.cuda.get_device_properties), passed on as usable GiB. With nothing to plan against
+(memory.plan_gpu=local on a machine without a GPU) an unset U is the smallest legal one (the least attention
+memory), said in one line; an explicit `auto` is refused there instead.
 """
 
 from __future__ import annotations
@@ -16,9 +19,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_upipe.config import Config, ConfigError, load_config, to_yaml
+from megatron_upipe.config import Config, ConfigError, load_config, to_yaml, validate
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def plans_heads(config: Config) -> bool:
+    """Whether the job picks U at start-up: cp_strategy=upipe with upipe_heads_per_stage auto or unset."""
+    p = config.parallel
+    return p.cp_strategy == "upipe" and p.upipe_heads_per_stage in (None, "auto")
+
+
+def _nothing_to_plan_against(config: Config) -> bool:
+    import torch
+
+    return config.memory.plan_gpu == "local" and not torch.cuda.is_available()
 
 
 def plan_gpu_spec(config: Config) -> str:
@@ -37,12 +52,19 @@ def plan_gpu_spec(config: Config) -> str:
 
 
 def resolve_auto_heads(config: Config, world_size: int, timeout_s: float = 1800.0) -> tuple[Config, str]:
-    """`config` with upipe_heads_per_stage=auto replaced by the planner's U, and the one-line reason; ConfigError
-    (the planner's own message) when no legal U fits."""
+    """`config` with upipe_heads_per_stage auto (or unset: `plans_heads`) replaced by the planner's U, and the
+    one-line reason; ConfigError (the planner's own message) when no legal U fits."""
+    if config.parallel.upipe_heads_per_stage is None and _nothing_to_plan_against(config):
+        U = validate(config, world_size).heads_per_stage  # unset: the smallest legal
+        return config, (f"parallel.upipe_heads_per_stage unset -> U={U}, the smallest legal (the least attention "
+                        f"memory): no GPU here to plan against (memory.plan_gpu=local); set memory.plan_gpu to let "
+                        f"the memory planner choose, or set the U")
     gpu = plan_gpu_spec(config)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, out = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
         cfg.write_text(to_yaml(config))
+        if config.parallel.upipe_heads_per_stage is None:  # unset: the planner chooses as for auto
+            cfg.write_text(to_yaml(load_config(str(cfg), ["parallel.upipe_heads_per_stage=auto"])))
         proc = subprocess.run(
             [sys.executable, str(REPO / "tools" / "estimate_memory.py"), "--config", str(cfg), "--world-size",
              str(world_size), "--gpu", gpu, "--jobs", "1", "--json", str(out)],
