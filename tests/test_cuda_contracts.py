@@ -31,6 +31,10 @@ checked on a GPU by tools/gpu_check.sh), at H 32, H_kv 8, d 128, D 4096, N = 1M 
    torch 2.13's meta function for aten._efficient_attention_backward lacks the `out` argument of the op's schema
    (it cannot be called with the schema's arguments), so under fake tensors that one call is checked argument by
    argument against the op's schema instead and allocated as its meta function allocates.
+6. hybrid a2a x ring (ring_group: all-to-all groups of 4, a ring of 2, the ring's P2P on the fake group): the op's
+   outputs and gradients (as 1.) through each kernel's log-sum-exp layout (ring.py adapts [b, h, S], padded and
+   [b, h, S, 1] rows), with serial and overlapped ring passes (ring_overlap); the op's tracked peak with the
+   planning stand-ins equals the one with the CUDA kernel, and the overlapped passes cost more.
 """
 
 from __future__ import annotations
@@ -106,20 +110,20 @@ def _inputs(device, s, b=1, fused=True):
 
 
 def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=False, qk_extras=False, cu_seqlens=None,
-                overlap=False):
+                overlap=False, ring=None):
     """Run the op forward and its backward function; (problems, tracked peak or None). qk_extras (with fused):
     QKV bias and QK-norm as well; cu_seqlens: packed documents; overlap: UPipe's pipelined stages (async
-    all-to-alls on the fake process group)."""
+    all-to-alls on the fake process group); ring: (ring group, ring_overlap) of hybrid a2a x ring, `group` then
+    being the all-to-all group (the rank's s = N / 8 tokens either way)."""
     from megatron_upipe.attention import api
     from megatron_upipe.memory.tracker import PeakMemoryTracker
 
     s = N // C
     x, (wq, wk, wv), w_o, norm_w, rope = _inputs(device, s, fused=fused)
     extras = _qk_extras(device) if qk_extras else {}
-    if cu_seqlens is not None:
-        extras_kw = dict(cu_seqlens=cu_seqlens)
-    else:
-        extras_kw = {}
+    extras_kw = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens)
+    if ring is not None:
+        extras_kw.update(ring_group=ring[0], ring_overlap=ring[1])
     problems = []
 
     def run():
@@ -363,6 +367,29 @@ def _varlen_contracts(names, group, cu):
     return dict(op_cases=op_cases, kernel_problems=kernel_problems, peaks=peaks, docs=len(cu) - 1)
 
 
+def _ring_contracts(names):
+    """Section 6 of the module docstring (inside FakeTensorMode, on the fake process group of 8): hybrid a2a x ring,
+    all-to-all groups of 4 consecutive ranks and rings of 2 (rank 0: a2a [0-3], ring [0, 4])."""
+    import torch.distributed as dist
+
+    from megatron_upipe.attention.kernels import planning_kernel
+
+    a2a = [dist.new_group([r * 4 + a for a in range(4)]) for r in range(2)][0]  # every group, in the same order
+    ring = [dist.new_group([a, a + 4]) for a in range(4)][0]
+    op_cases, peaks = [], {}
+    for name in names:
+        for strategy, U in (("upipe", 8), ("upipe", 16), ("ulysses", None)):
+            for ring_overlap in (False, True):
+                problems, _ = _op_outputs(name, strategy, U, "input", True, "cuda", a2a, ring=(ring, ring_overlap))
+                op_cases.append(((name, strategy, U, "grouped+w_o+norm, ring of 2", ring_overlap), problems))
+        for ring_overlap in (False, True):
+            _, gpu = _op_outputs(name, "upipe", 8, "input", True, "cuda", a2a, track=True, ring=(ring, ring_overlap))
+            _, plan = _op_outputs(planning_kernel(name), "upipe", 8, "input", True, "cpu", a2a, track=True,
+                                  ring=(ring, ring_overlap))
+            peaks[(name, ring_overlap)] = (gpu, plan)
+    return dict(op_cases=op_cases, peaks=peaks)
+
+
 def _model_vs_stand_ins():
     """Tracked peaks with the planning stand-ins (real CPU tensors) vs the memory model, GQA native or expanded."""
     import torch.distributed as dist
@@ -434,9 +461,10 @@ def _all_contracts(rank, world_size):
                                            track=True)
                 peaks[(name, strategy)] = (gpu_peak, plan_peak)
         varlen = _varlen_contracts(names, dist.group.WORLD, cu)
+        ring = _ring_contracts(names)
     dist.destroy_process_group()
     return dict(names=names, skipped=skipped, op_cases=op_cases, kernel_problems=kernel_problems, peaks=peaks,
-                model_rows=_model_vs_stand_ins(), varlen=varlen)
+                model_rows=_model_vs_stand_ins(), varlen=varlen, ring=ring)
 
 
 @pytest.fixture(scope="module")
@@ -489,3 +517,17 @@ def test_packed_documents_keep_the_contracts(contracts):
     assert len(varlen["peaks"]) == 4
     for (name, strategy), (gpu, plan) in varlen["peaks"].items():
         assert gpu > 0 and abs(gpu - plan) <= 4096, (name, strategy, gpu, plan)
+
+
+def test_hybrid_ring_keeps_the_contracts(contracts):
+    """Section 6: the op with ring_group on fake CUDA through every kernel's log-sum-exp layout, serial and
+    overlapped passes; the planner's stand-ins give the same tracked peak, and the overlap costs more than the
+    serial passes' pieces."""
+    ring = contracts["ring"]
+    assert len(ring["op_cases"]) == 3 * 2 * len(contracts["names"])
+    bad = [(case, p) for case, p in ring["op_cases"] if p]
+    assert not bad, bad
+    for (name, ring_overlap), (gpu, plan) in ring["peaks"].items():
+        assert gpu > 0 and abs(gpu - plan) <= 4096, (name, ring_overlap, gpu, plan)
+    for name in contracts["names"]:
+        assert ring["peaks"][(name, True)][0] > ring["peaks"][(name, False)][0], ring["peaks"]
