@@ -102,3 +102,36 @@ def test_bench_attention_overlap_and_bytes_sent(tmp_path):
     # per stage q (recomputed), out and dout in, dq back; per round K, V (recomputed) in, dK, dV back
     assert ser["bwd_sent_bytes"] == ov["bwd_sent_bytes"] == share(4 * q + 4 * rounds * kv_round)
     assert ser["bwd_sent_bytes"] > uly["bwd_sent_bytes"]
+
+
+def test_bench_attention_hybrid_ring(tmp_path):
+    """--ring 2 --ring-overlap on 4 ranks (all-to-all groups of 2 x a ring of 2): every strategy checked against the
+    float64 reference at its zigzag positions, serial and overlapped ring passes side by side, and the P2P bytes
+    each rank sends are the passes' (float32, R = 2, one KV head per rank and call, K = one call's K and V bytes):
+    forward (R - 1)·K; backward K/V and dK/dV along R - 1 hops and dK/dV home, (2R - 1)·K; the same overlapped."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_attention.py", "--heads", "8", "--kv-heads", "2", "--head-dim", "16",
+         "--seq-len", "256", "--cp", "4", "--ring", "2", "--ring-overlap", "--u", "2", "--check-seq-len", "64",
+         "--warmup", "0", "--iters", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hybrid: all-to-all groups of 2 x a ring of 2" in proc.stdout and "p2p bwd MiB" in proc.stdout
+    res = json.loads(out.read_text())["results"]
+    assert [(r["strategy"], r["heads_per_stage"], r["stages"]) for r in res] == [
+        ("ulysses", 8, 1), ("ulysses+rov", 8, 1), ("upipe", 2, 4), ("upipe+rov", 2, 4)]
+    K = 2 * (256 // 2) * 16 * 4  # K and V of one call: [b, 1 KV head, N/R tokens, d] float32 each
+    for r in res:
+        assert r["max_rel_err"] < 1e-4 and r["model_peak_bytes"] is None
+        calls = r["stages"]  # one ring call per stage, one KV head each
+        assert (r["fwd_p2p_bytes"], r["bwd_p2p_bytes"]) == (calls * K, calls * 3 * K), r
+
+
+def test_bench_refuses_a_ring_that_does_not_divide(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_attention.py", "--heads", "8", "--kv-heads", "2", "--cp", "4", "--ring", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2 and "ring=3 must divide the C=4 ranks" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

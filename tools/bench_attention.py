@@ -5,6 +5,7 @@
     python tools/bench_attention.py --cp 2 --u 2 8 32 --dtype bfloat16
     python tools/bench_attention.py --cp 4 --seq-len 16384 --docs 256   # packed documents vs one causal sequence
     python tools/bench_attention.py --cp 4 --overlap                     # UPipe serial vs pipelined stages
+    python tools/bench_attention.py --cp 4 --ring 2 --ring-overlap       # a2a 2 x ring 2: serial vs overlapped passes
 
 Spawns --cp processes (gloo on CPU; NCCL when --cp GPUs are visible), prints a table on rank 0 and writes JSON.
 Shapes that cannot run (heads vs KV heads vs --cp, an illegal --u, a length not divisible by --cp) are refused in
@@ -77,16 +78,21 @@ def main(argv=None) -> int:
                         "by side with one causal sequence (needs --batch 1)")
     p.add_argument("--overlap", action="store_true",
                    help="also run every UPipe U with pipelined stages (upipe+ov), side by side with the serial op")
+    p.add_argument("--ring", type=positive_int, default=1,
+                   help="hybrid a2a x ring: a ring of this many all-to-all groups of cp/ring ranks (U over cp/ring)")
+    p.add_argument("--ring-overlap", action="store_true",
+                   help="also run every strategy with the ring's P2P passes overlapped (+rov), side by side")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     try:
         cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.hidden, a.seq_len, a.batch, tuple(a.u), a.dtype,
-                          a.check_seq_len, a.warmup, a.iters, a.docs, a.overlap)
+                          a.check_seq_len, a.warmup, a.iters, a.docs, a.overlap, a.ring, a.ring_overlap)
         check(cfg, a.cp)
     except ValueError as e:
         return fail(PROG, f"{e} (--heads {a.heads} --kv-heads {a.kv_heads} --cp {a.cp} --seq-len {a.seq_len} "
                           f"--check-seq-len {a.check_seq_len}{' --u ' + ' '.join(map(str, a.u)) if a.u else ''}"
-                          f"{f' --docs {a.docs} --batch {a.batch}' if a.docs else ''})")
+                          f"{f' --docs {a.docs} --batch {a.batch}' if a.docs else ''}"
+                          f"{f' --ring {a.ring}' if a.ring > 1 else ''})")
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

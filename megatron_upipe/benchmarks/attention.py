@@ -18,6 +18,11 @@ With `overlap` (CLI --overlap) every UPipe U also runs with pipelined stages ("u
 all-to-alls in flight during this stage's kernel), checked, measured and timed in the same round-robin (the
 closed-form model does not cover it: "-"). Every strategy reports the bytes this rank sends to other ranks in the
 all-to-alls of one forward and of one backward (a step under full recompute sends the forward's twice).
+With `ring` = R > 1 (CLI --ring) the C ranks run hybrid a2a x ring: all-to-all groups of A = C/R consecutive ranks
+and a ring of R of them (each stage's attention is causal ring attention, attention/ring.py), tokens placed by
+attention.layout.cp_rank_positions; U is counted over A, the numerics check compares each rank's positions, the
+P2P bytes of the ring's passes are reported beside the all-to-all bytes, and the closed-form model does not cover
+it. `ring_overlap` (CLI --ring-overlap) also runs every strategy with the ring's passes overlapped ("+rov").
 Legend: N global tokens, C ranks, s = N / C, b batch, D model dim, H / G heads, d head dim, U heads per stage.
 """
 
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_upipe.attention import legal_heads_per_stage, make_schedule, ulysses_attention, upipe_attention
+from megatron_upipe.attention.layout import cp_rank_positions
 from megatron_upipe.attention.reference import reference_attention, rope_angles
 from megatron_upipe.memory.attention_model import AttentionShape, attention_memory
 from megatron_upipe.memory.tracker import PeakMemoryTracker
@@ -56,6 +62,8 @@ class BenchConfig:
     iters: int = 3
     doc_len: int | None = None  # also run packed documents of about this many tokens (None: one sequence only)
     overlap: bool = False  # also run every UPipe U with pipelined stages ("upipe+ov")
+    ring: int = 1  # R: hybrid a2a x ring over the C ranks (all-to-all groups of C/R); 1 = one all-to-all group
+    ring_overlap: bool = False  # also run every strategy with the ring's P2P passes overlapped ("+rov")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,6 +73,11 @@ class BenchConfig:
         if self.doc_len is not None and not 2 <= self.doc_len <= self.seq_len // 2:
             raise ValueError(f"doc_len={self.doc_len} must be between 2 and seq_len / 2 = {self.seq_len // 2} "
                              f"(documents of about doc_len tokens, at least two of them)")
+        if self.ring > 1 and (self.doc_len is not None or self.overlap):
+            raise ValueError(f"ring={self.ring}: ring attention runs one causal sequence with serial stages; drop the "
+                             f"packed documents / pipelined stages")
+        if self.ring_overlap and self.ring == 1:
+            raise ValueError("ring_overlap overlaps the passes of a ring: give ring > 1")
 
     @property
     def model_dim(self) -> int:
@@ -73,7 +86,7 @@ class BenchConfig:
 
 @dataclass
 class StrategyResult:
-    strategy: str  # "ulysses", "upipe" or "upipe+ov" (pipelined stages)
+    strategy: str  # "ulysses", "upipe", "upipe+ov" (pipelined stages); "+rov": the ring's passes overlapped
     heads_per_stage: int
     stages: int
     max_rel_err: float
@@ -84,6 +97,8 @@ class StrategyResult:
     documents: int = 1  # 1: one causal sequence; more: packed documents (cu_seqlens)
     fwd_sent_bytes: int = 0  # bytes this rank sends to the other ranks in one forward's all-to-alls
     bwd_sent_bytes: int = 0  # ... in one backward's
+    fwd_p2p_bytes: int = 0  # bytes this rank sends in one forward's P2P passes (hybrid a2a x ring)
+    bwd_p2p_bytes: int = 0  # ... in one backward's
 
     @property
     def median_s(self) -> float:
@@ -114,10 +129,33 @@ def documents(N: int, doc_len: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
 
 
-def _call(strategy, U, x, ws, cfg, group, freqs, cu=None):
-    kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, cp_group=group, rotary_pos_emb=freqs,
+@dataclass(frozen=True)
+class Groups:
+    """The op's groups on this rank: the all-to-all group (None on one rank), the ring (None without one), and
+    every rank's group for the weight-gradient sums (None on one rank)."""
+
+    a2a: dist.ProcessGroup | None
+    ring: dist.ProcessGroup | None
+    world: dist.ProcessGroup | None
+
+
+def make_groups(cfg: BenchConfig, group, C: int) -> Groups:
+    """One all-to-all group of the C ranks, or (ring > 1) groups of A = C/R consecutive ranks and rings of R of
+    them (CP rank = ring rank·A + a2a rank, as attention.layout.cp_rank_positions); every rank creates every group."""
+    if cfg.ring == 1:
+        return Groups(group, None, group)
+    A, me = C // cfg.ring, dist.get_rank(group)
+    a2a = [dist.new_group([r * A + a for a in range(A)]) for r in range(cfg.ring)][me // A]
+    ring = [dist.new_group([r * A + a for r in range(cfg.ring)]) for a in range(A)][me % A]
+    return Groups(a2a, ring, group)
+
+
+def _call(strategy, U, x, ws, cfg, groups: Groups, freqs, cu=None):
+    kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, cp_group=groups.a2a, rotary_pos_emb=freqs,
               cu_seqlens=cu)
-    if strategy == "ulysses":
+    if groups.ring is not None:
+        kw.update(ring_group=groups.ring, ring_overlap=strategy.endswith("+rov"))
+    if strategy.startswith("ulysses"):
         return ulysses_attention(x, *ws, **kw)
     return upipe_attention(x, *ws, heads_per_stage=U, overlap=strategy == "upipe+ov", **kw)
 
@@ -125,7 +163,8 @@ def _call(strategy, U, x, ws, cfg, group, freqs, cu=None):
 @contextmanager
 def count_sent_bytes(counter: dict, key: str):
     """Adds to counter[key] the bytes this rank sends to other ranks in every all_to_all_single inside the block
-    (the send buffer's bytes times (C - 1) / C: equal chunks, one of them to itself)."""
+    (the send buffer's bytes times (C - 1) / C: equal chunks, one of them to itself), and to counter[key + "_p2p"]
+    those its P2P sends (batch_isend_irecv: the ring's passes) carry."""
     real = dist.all_to_all_single
 
     def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
@@ -133,53 +172,64 @@ def count_sent_bytes(counter: dict, key: str):
         counter[key] = counter.get(key, 0) + input.numel() * input.element_size() * (C - 1) // C
         return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
-    dist.all_to_all_single = counted
+    def counted_p2p(ops):  # the ring's passes: what this rank's isends carry
+        counter[key + "_p2p"] = counter.get(key + "_p2p", 0) + sum(
+            op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real_p2p(ops)
+
+    real_p2p = dist.batch_isend_irecv
+    dist.all_to_all_single, dist.batch_isend_irecv = counted, counted_p2p
     try:
         yield counter
     finally:
-        dist.all_to_all_single = real
+        dist.all_to_all_single, dist.batch_isend_irecv = real, real_p2p
 
 
-def _fwd_bwd(strategy, U, x, ws, dout, cfg, group, freqs, cu=None):
-    out = _call(strategy, U, x, ws, cfg, group, freqs, cu)
+def _fwd_bwd(strategy, U, x, ws, dout, cfg, groups: Groups, freqs, cu=None):
+    out = _call(strategy, U, x, ws, cfg, groups, freqs, cu)
     return out, torch.autograd.grad(out, [x, *ws], dout)
 
 
-def _check(strategy, U, cfg, group, rank, C, device, dtype, with_docs: bool = False) -> float:
+def _check(strategy, U, cfg, groups: Groups, rank, C, device, dtype, with_docs: bool = False) -> float:
     N = cfg.check_seq_len
-    s = N // C
     cu = documents(N, max(2, min(cfg.doc_len, N // 8)), seed=1) if with_docs else None
     x, wq, wk, wv, dout = _inputs(cfg, N, 1, device, dtype)
     freqs = rope_angles(N, cfg.head_dim).to(device)
     ref_in = [t.detach().double().cpu().requires_grad_() for t in (x, wq, wk, wv)]
     ref = reference_attention(*ref_in, cfg.num_heads, cfg.num_kv_heads, freqs.cpu(), cu_seqlens=cu)
     ref_g = torch.autograd.grad(ref, ref_in, dout.double().cpu())
-    sl = slice(rank * s, (rank + 1) * s)
-    xs = x[sl].clone().requires_grad_()
+    sl = cp_rank_positions(N, rank, C, cfg.ring)  # [s] this rank's positions (contiguous without a ring)
+    xs = x[sl.to(device)].clone().requires_grad_()
     ws = [w.clone().requires_grad_() for w in (wq, wk, wv)]
-    out, grads = _fwd_bwd(strategy, U, xs, ws, dout[sl], cfg, group, freqs, cu)
+    out, grads = _fwd_bwd(strategy, U, xs, ws, dout[sl.to(device)], cfg, groups, freqs, cu)
     dws = [g.clone() for g in grads[1:]]
-    if group is not None:
+    if groups.world is not None:
         for g in dws:
-            dist.all_reduce(g, group=group)
+            dist.all_reduce(g, group=groups.world)
     errs = [_rel(out.cpu(), ref[sl]), _rel(grads[0].cpu(), ref_g[0][sl])]
     errs += [_rel(g.cpu(), r) for g, r in zip(dws, ref_g[1:])]
     return max(errs)
 
 
 def strategies(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
-    us = list(cfg.heads_per_stage) or legal_heads_per_stage(cfg.num_heads, cfg.num_kv_heads, C)
+    A = C // cfg.ring  # the all-to-all group, over which U is counted
+    us = list(cfg.heads_per_stage) or legal_heads_per_stage(cfg.num_heads, cfg.num_kv_heads, A)
     for u in us:
-        make_schedule(cfg.num_heads, cfg.num_kv_heads, C, u)  # raises a clear error for an illegal U
-    return [("ulysses", cfg.num_heads)] + [(name, u) for u in us
-                                           for name in (("upipe", "upipe+ov") if cfg.overlap else ("upipe",))]
+        make_schedule(cfg.num_heads, cfg.num_kv_heads, A, u)  # raises a clear error for an illegal U
+    variants = ("", "+ov") if cfg.overlap else ("", "+rov") if cfg.ring_overlap else ("",)
+    return [("ulysses" + v, cfg.num_heads) for v in variants if v != "+ov"] + [
+        ("upipe" + v, u) for u in us for v in variants]
 
 
 def check(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
     """The (strategy, U) pairs to run on C ranks; a ValueError naming the value for a shape that cannot run (called
     by the CLI before it spawns any rank, and by every rank)."""
-    if cfg.seq_len % C or cfg.check_seq_len % C:
-        raise ValueError(f"seq_len={cfg.seq_len} and check_seq_len={cfg.check_seq_len} must be multiples of C={C}")
+    if C % cfg.ring:
+        raise ValueError(f"ring={cfg.ring} must divide the C={C} ranks (all-to-all groups of C/ring)")
+    parts = C if cfg.ring == 1 else 2 * C  # ring: two zigzag chunks per ring rank, split over its group
+    if cfg.seq_len % parts or cfg.check_seq_len % parts:
+        raise ValueError(f"seq_len={cfg.seq_len} and check_seq_len={cfg.check_seq_len} must be multiples of "
+                         f"{'C' if cfg.ring == 1 else '2·C'}={parts}")
     if cfg.doc_len is not None and cfg.batch != 1:
         raise ValueError(f"packed documents (doc_len={cfg.doc_len}) need batch 1; got batch={cfg.batch}")
     return strategies(cfg, C)
@@ -188,20 +238,22 @@ def check(cfg: BenchConfig, C: int) -> list[tuple[str, int]]:
 def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -> list[StrategyResult]:
     dtype = DTYPES[cfg.dtype]
     plan = check(cfg, C)
+    groups = make_groups(cfg, group, C) if group is not None else Groups(None, None, None)
+    A = C // cfg.ring
     shape = AttentionShape(cfg.seq_len, cfg.batch, cfg.model_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            C, torch.tensor([], dtype=dtype).element_size())
     cu = documents(cfg.seq_len, cfg.doc_len) if cfg.doc_len else None
     results, cus = [], []
     for strategy, U in plan:
         for layout in (None, cu) if cu is not None else (None,):
-            err = _check(strategy, U, cfg, group, rank, C, device, dtype, with_docs=layout is not None)
+            err = _check(strategy, U, cfg, groups, rank, C, device, dtype, with_docs=layout is not None)
             if not err <= CHECK_TOL[cfg.dtype]:
                 raise AssertionError(f"{strategy} U={U}{' with documents' if layout is not None else ''}: relative "
                                      f"error {err:.3e} against the float64 reference exceeds "
                                      f"{CHECK_TOL[cfg.dtype]:.0e}; refusing to time a wrong kernel")
-            model = None if strategy == "upipe+ov" else \
+            model = None if strategy == "upipe+ov" or cfg.ring > 1 else \
                 attention_memory(shape, U, ulysses=strategy == "ulysses").peak_bytes  # one sequence's (no documents)
-            sched = make_schedule(cfg.num_heads, cfg.num_kv_heads, C, U)
+            sched = make_schedule(cfg.num_heads, cfg.num_kv_heads, A, U)
             results.append(StrategyResult(strategy, U, sched.num_stages, err, 0, model, None,
                                           documents=1 if layout is None else len(layout) - 1))
             cus.append(layout)
@@ -219,12 +271,13 @@ def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -
         sent: dict[str, int] = {}
         with PeakMemoryTracker() as mem:
             with count_sent_bytes(sent, "fwd"):
-                out = _call(res.strategy, res.heads_per_stage, x, ws, cfg, group, freqs, layout)
+                out = _call(res.strategy, res.heads_per_stage, x, ws, cfg, groups, freqs, layout)
             with count_sent_bytes(sent, "bwd"):
                 grads = torch.autograd.grad(out, [x, *ws], dout)
             del out, grads
         res.tracked_peak_bytes = mem.peak_bytes
         res.fwd_sent_bytes, res.bwd_sent_bytes = sent.get("fwd", 0), sent.get("bwd", 0)
+        res.fwd_p2p_bytes, res.bwd_p2p_bytes = sent.get("fwd_p2p", 0), sent.get("bwd_p2p", 0)
         if device.type == "cuda":
             torch.cuda.synchronize()
             res.cuda_peak_bytes = torch.cuda.max_memory_allocated() - base
@@ -235,7 +288,7 @@ def run_rank(cfg: BenchConfig, group, rank: int, C: int, device: torch.device) -
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out, grads = _fwd_bwd(res.strategy, res.heads_per_stage, x, ws, dout, cfg, group, freqs, layout)
+            out, grads = _fwd_bwd(res.strategy, res.heads_per_stage, x, ws, dout, cfg, groups, freqs, layout)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
@@ -250,14 +303,16 @@ def report(cfg: BenchConfig, C: int, device: str, results: list[StrategyResult])
     documents); with documents, "docs/1seq" compares each run with the same strategy on one causal sequence."""
     uly = {r.documents: r for r in results if r.strategy == "ulysses"}
     one = {(r.strategy, r.heads_per_stage): r for r in results if r.documents == 1}
-    docs = cfg.doc_len is not None
+    docs, ring = cfg.doc_len is not None, cfg.ring > 1
     lines = [
         f"attention benchmark: H={cfg.num_heads} H_kv={cfg.num_kv_heads} d={cfg.head_dim} D={cfg.model_dim} "
         f"N={cfg.seq_len} b={cfg.batch} C={C} {cfg.dtype} on {device}; numerics checked at N={cfg.check_seq_len}"
-        + (f"; packed documents of about {cfg.doc_len} tokens vs one causal sequence" if docs else ""),
-        f"{'strategy':>8} {'U':>4} {'stages':>6} " + (f"{'docs':>6} " if docs else "")
+        + (f"; packed documents of about {cfg.doc_len} tokens vs one causal sequence" if docs else "")
+        + (f"; hybrid: all-to-all groups of {C // cfg.ring} x a ring of {cfg.ring}" if ring else ""),
+        f"{'strategy':>11} {'U':>4} {'stages':>6} " + (f"{'docs':>6} " if docs else "")
         + f"{'rel err':>9} {'peak MiB':>9} {'model MiB':>9} {'peak/uly':>8} {'ms (median)':>11} {'time/uly':>8}"
         + f" {'sent fwd MiB':>12} {'sent bwd MiB':>12}"
+        + (f" {'p2p fwd MiB':>11} {'p2p bwd MiB':>11}" if ring else "")
         + (f" {'peak docs/1seq':>14} {'time docs/1seq':>14}" if docs else ""),
     ]
     rows = []
@@ -266,11 +321,13 @@ def report(cfg: BenchConfig, C: int, device: str, results: list[StrategyResult])
         row = asdict(r) | {"median_s": r.median_s,
                            "peak_ratio_vs_ulysses": r.tracked_peak_bytes / base.tracked_peak_bytes,
                            "time_ratio_vs_ulysses": r.median_s / base.median_s}
-        line = (f"{r.strategy:>8} {r.heads_per_stage:>4} {r.stages:>6} " + (f"{r.documents:>6} " if docs else "")
+        line = (f"{r.strategy:>11} {r.heads_per_stage:>4} {r.stages:>6} " + (f"{r.documents:>6} " if docs else "")
                 + f"{r.max_rel_err:>9.2e} {r.tracked_peak_bytes / 2**20:>9.2f} "
                 + (f"{r.model_peak_bytes / 2**20:>9.2f} " if r.model_peak_bytes is not None else f"{'-':>9} ")
                 + f"{row['peak_ratio_vs_ulysses']:>8.3f} {r.median_s * 1e3:>11.1f} {row['time_ratio_vs_ulysses']:>8.3f}"
                 f" {r.fwd_sent_bytes / 2**20:>12.2f} {r.bwd_sent_bytes / 2**20:>12.2f}")
+        if ring:
+            line += f" {r.fwd_p2p_bytes / 2**20:>11.2f} {r.bwd_p2p_bytes / 2**20:>11.2f}"
         if r.documents > 1:
             row |= {"peak_ratio_vs_one_sequence": r.tracked_peak_bytes / single.tracked_peak_bytes,
                     "time_ratio_vs_one_sequence": r.median_s / single.median_s}
