@@ -96,6 +96,12 @@ def _contiguous(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
 
 
+def _next_kv(kv: list[torch.Tensor], step: int, R: int, group) -> _Passing | None:
+    """Overlap: the K/V held at `step` on their way to the next rank (copies at step 0: the caller's k, v are
+    strided views); None at the last step, which needs no pass."""
+    return _Passing(_contiguous(kv) if step == 0 else kv, group, _KV) if step < R - 1 else None
+
+
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -130,7 +136,7 @@ def ring_attention_forward(q, k, v, group, kernel: AttentionKernel, scale: float
     kv, blocks = [k, v], []  # the K/V held now; passed on from copies (k, v are the caller's)
     for step in range(R):
         src = (r - step) % R
-        passing = _Passing(_contiguous(kv) if step == 0 else kv, group, _KV) if overlap and step < R - 1 else None
+        passing = _next_kv(kv, step, R, group) if overlap else None
         for i, j, causal in block_pairs(r, src, R):
             rows, cols = slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n)
             o, block_lse, aux = kernel_forward(kernel, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal,
@@ -164,7 +170,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, blocks, group, kernel: Atte
     dkv_passing = None  # overlap: the dK/dV of the last step, on their way to the next rank
     for step in range(R):
         src = (r - step) % R
-        kv_passing = _Passing(_contiguous(kv) if step == 0 else kv, group, _KV) if overlap and step < R - 1 else None
+        kv_passing = _next_kv(kv, step, R, group) if overlap else None
         kv_grads = []  # overlap: (key chunk, dk, dv) of each block, added once src's dK/dV have arrived
         for i, j, causal in block_pairs(r, src, R):
             rows, cols = slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n)

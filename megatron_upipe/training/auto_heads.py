@@ -63,11 +63,9 @@ def resolve_auto_heads(config: Config, world_size: int, timeout_s: float = 1800.
     with tempfile.TemporaryDirectory() as tmp:
         cfg, out = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
         cfg.write_text(to_yaml(config))
-        if config.parallel.upipe_heads_per_stage is None:  # unset: the planner chooses as for auto
-            cfg.write_text(to_yaml(load_config(str(cfg), ["parallel.upipe_heads_per_stage=auto"])))
-        proc = subprocess.run(
+        proc = subprocess.run(  # unset U: the planner chooses as for auto
             [sys.executable, str(REPO / "tools" / "estimate_memory.py"), "--config", str(cfg), "--world-size",
-             str(world_size), "--gpu", gpu, "--jobs", "1", "--json", str(out)],
+             str(world_size), "--gpu", gpu, "--jobs", "1", "--json", str(out), "parallel.upipe_heads_per_stage=auto"],
             capture_output=True, text=True, timeout=timeout_s,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
         )
