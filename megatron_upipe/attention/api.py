@@ -8,11 +8,14 @@ H query heads, G KV heads, g = H / G, d head dim.
 
 Packed sequences: every function takes `cu_seqlens`, int32 [n_docs + 1] = (0, l1, l1+l2, ..., N), the cumulative
 document lengths of the GLOBAL sequence (the same tensor on every CP rank; on the CPU, or on x's device at the cost
-of a device sync, since the op reads the boundaries on the host), with micro-batch b = 1. Attention is then causal
-(causal=False: full) inside each document only; documents may straddle CP shards; empty documents are allowed (they
-hold no token). One document ([0, N]) is plain attention and gives the fixed-length results bit for bit. RoPE is
-unchanged: pass the angles of the positions you want (with position ids reset per document, per-document
-positions), as [N, 1, 1, rot] or this rank's rows [s, 1, 1, rot]; each row's angle is applied to its token.
+of a device sync, since the op reads the boundaries on the host), with micro-batch b = 1. Each call copies them to
+x's device; a caller with many calls on one sequence (layers, recompute) passes instead the `varlen.Documents` that
+`varlen.documents(cu_seqlens, N, 1, x.device)` made once, which every call reuses without a copy. Attention is
+then causal (causal=False: full) inside each document only; documents may straddle CP shards; empty documents are
+allowed (they hold no token). One document ([0, N]) is plain attention and gives the fixed-length results bit for
+bit. RoPE is unchanged: pass the angles of the positions you want (with position ids reset per document,
+per-document positions), as [N, 1, 1, rot] or this rank's rows [s, 1, 1, rot]; each row's angle is applied to its
+token.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import torch.distributed as dist
 
 from .comm import group_size
 from .kernels import select_kernel, stage_call
-from .layout import local_positions
 from .rope import rope_cos_sin
 from .schedule import make_schedule
 from .upipe import StageOp, UPipeFunction
@@ -91,6 +93,20 @@ def _check_qk_extras(x, w_q, b_q, b_k, b_v, q_norm_w, k_norm_w, qk_norm_eps) -> 
         raise ValueError(f"qk_norm_eps={qk_norm_eps!r} must be a positive float (Qwen3: 1e-6)")
 
 
+def _zigzag_rows(rows: torch.Tensor, a: int, C: int, r: int, R: int) -> torch.Tensor:
+    """The rows of `rows` [N, ...] at `layout.local_positions(N, a, C, r, R)` (R > 1), cut from rows itself: no host
+    index copied to its device (a blocking copy per call). Ring rank r's group holds 2n tokens, chunk r then chunk
+    2R-1-r (n = N/(2R) each); a2a rank a holds its tokens [a·s, (a+1)·s) of them (s = N/(C·R)): one or two runs."""
+    N = rows.shape[0]
+    n, s = N // (2 * R), N // (C * R)
+    runs = []
+    for first, chunk in ((0, r), (n, 2 * R - 1 - r)):  # group tokens [first, first + n) are `chunk`'s
+        lo, hi = max(a * s, first), min((a + 1) * s, first + n)
+        if lo < hi:
+            runs.append(rows[chunk * n + lo - first:chunk * n + hi - first])  # [hi - lo, ...] view
+    return runs[0] if len(runs) == 1 else torch.cat(runs)  # [s, ...]
+
+
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
              ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
              norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
@@ -139,8 +155,7 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
         if ring_group is None:  # contiguous: a view
             rotary_pos_emb = rotary_pos_emb[rank * x.shape[0]:(rank + 1) * x.shape[0]]  # [N, ...] -> [s, ...]
         else:  # zigzag over the ring (layout.py)
-            pos = local_positions(rotary_pos_emb.shape[0], rank, C, dist.get_rank(ring_group), R)  # [s]
-            rotary_pos_emb = rotary_pos_emb[pos.to(rotary_pos_emb.device)]  # [N, ...] -> [s, ...]
+            rotary_pos_emb = _zigzag_rows(rotary_pos_emb, rank, C, dist.get_rank(ring_group), R)  # [N, ...] -> [s, ...]
     rope = None if rotary_pos_emb is None else rope_cos_sin(rotary_pos_emb, x.dtype)  # [s, rot/2] each
     return op, rope
 

@@ -9,7 +9,10 @@ kernel here exposes both halves:
 Layout at this interface: q, out, dout [b, hq, N, d]; k, v [b, hkv, N, d] (hq a multiple of hkv: GQA); lse
 float32 (float64 for float64 inputs on CPU), shaped as the kernel makes it. Callers pass permuted views of
 sequence-first buffers ([N, b, h, d] memory). `aux` is whatever small extra state a kernel's backward needs (RNG
-state, cumulative lengths), opaque to callers.
+state, cumulative lengths), opaque to callers. Every bwd rebuilds the probabilities from the `lse` it is given,
+never from a copy of the forward's kept in aux: ring attention (ring.py) passes each block the *merged* lse of the
+whole row. TE's aux holds its forward's softmax Stats, which its backward reads, so te_fused puts `lse` in their
+place (varlen_kernels.te_aux).
 
 Kernels: `cpu_flash` (aten's CPU flash attention, every float dtype); on CUDA `te_fused` (TransformerEngine's
 cuDNN fused attention), `flash_attn` (Dao-AILab flash-attn 2), `sdpa_flash`, `sdpa_cudnn`, `sdpa_efficient`
@@ -184,8 +187,9 @@ def _te_fwd(q, k, v, causal, scale):
     return out.permute(1, 2, 0, 3), aux[0], aux  # aux[0]: softmax Stats [b, hq, N, 1] float32
 
 
-def _te_bwd(dout, q, k, v, out, lse, aux, causal, scale):
-    dq, dk, dv = libs.te_backward(libs.te_api(), *(_sbhd(t) for t in (dout, q, k, v, out)), aux, causal, scale)
+def _te_bwd(dout, q, k, v, out, lse, aux, causal, scale):  # TE reads the softmax Stats from aux[0]: lse goes there
+    dq, dk, dv = libs.te_backward(libs.te_api(), *(_sbhd(t) for t in (dout, q, k, v, out)), vk.te_aux(lse, aux), causal,
+                                  scale)
     return dq.permute(1, 2, 0, 3), dk.permute(1, 2, 0, 3), dv.permute(1, 2, 0, 3)
 
 

@@ -8,9 +8,10 @@ each step, by P2P) and attends its two query chunks to src's two key chunks: a k
 fully visible, the same chunk is causal, a later one is skipped. Each block's output and log-sum-exp (the kernel's
 own) are merged into float32 accumulators (float64 for float64 inputs) by their log-sum-exp (online softmax).
 Backward: the kernel's backward per block with the *merged* output and log-sum-exp (the probabilities of the whole
-row, so each block's dq/dk/dv is its exact share; no forward recompute). dq accumulates here; dK/dV travel with
-the K/V they belong to and one more hop brings them home. Every pass is in place, in pieces (`_pass_along`), so
-the received K/V and dK/dV never exist beside a second full copy.
+row, so each block's dq/dk/dv is its exact share; no forward recompute): every kernel's backward rebuilds the
+probabilities from the lse it is given (kernels.py; TE's in place of its forward's Stats). dq accumulates here;
+dK/dV travel with the K/V they belong to and one more hop brings them home. Every pass is in place, in pieces
+(`_pass_along`), so the received K/V and dK/dV never exist beside a second full copy.
 
 Overlap (`overlap=True`, training: memory.ring_overlap): the passes run while the blocks compute instead of between
 steps. Forward: the K/V for step s+1 travel during step s's blocks. Backward: the same for K/V, and the dK/dV of
@@ -20,8 +21,9 @@ buffers instead of one piece of scratch: one more K/V copy in forward; in backwa
 (float32) copy, plus the step's block dk/dv (at most 1.5 K/V copies in the input dtype).
 
 Used by the UPipe/Ulysses op with `ring_group` (training: parallel.cp_ring). Checked against float64 full attention
-in tests/test_ring.py on the CPU kernel; the CUDA kernels' log-sum-exp layouts ([b, h, S], [b, h, S, 1], or padded
-rows) are adapted here but not run.
+in tests/test_ring.py on the CPU kernel and in tests/test_te_ring_backward.py on te_fused over a TransformerEngine
+stand-in; the CUDA kernels' log-sum-exp layouts ([b, h, S], [b, h, S, 1], or padded rows) are adapted here but not
+run.
 """
 
 from __future__ import annotations

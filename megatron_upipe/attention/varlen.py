@@ -12,7 +12,10 @@ documents may straddle CP shards. Empty documents (repeated boundaries) are allo
 `documents(...)` checks cu_seqlens (one-line ValueErrors, from arguments every rank shares) and returns a
 `Documents` (host boundaries: the CUDA kernels' max_seqlen, the CPU kernel's grouping; the int32 copy on x's device
 that the CUDA kernels take), or None for a single document: that is plain causal attention and takes the very same
-code path, so its results equal the fixed-length op's bit for bit.
+code path, so its results equal the fixed-length op's bit for bit. Making a Documents copies the boundaries to the
+device (from pageable memory: the host waits for the stream), so a caller that runs many ops on one packed
+sequence (the model: every layer, and the recomputed forward) makes it once and passes it as cu_seqlens;
+`documents` checks it against the call and returns it as it is, with its device copy and CPU groups.
 
 CPU kernel (`cpu_varlen_forward` / `cpu_varlen_backward`): aten's CPU flash attention and its backward (the
 fixed-length kernel's own ops, lse in, lse out: backward recomputes nothing), one call per distinct document length
@@ -103,13 +106,35 @@ class Documents:
         return tuple(groups)
 
 
+def _check_batch(batch: int) -> None:
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs documents into one sequence, so the micro-batch must be 1; got b={batch}: "
+                         f"concatenate the batch's sequences into one packed sequence [N, 1, D]")
+
+
+def _reused(docs: Documents, total: int, batch: int, device: torch.device) -> Documents:
+    """A Documents made earlier by `documents`, checked against this call: returned as it is (no copy)."""
+    _check_batch(batch)
+    if docs.total != total:
+        raise ValueError(f"cu_seqlens (Documents) ends at {docs.total} but the packed sequence has N = C·s = {total} "
+                         f"tokens; make the Documents for this sequence")
+    if docs.cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens (Documents) holds its boundaries on {docs.cu_seqlens.device} but x is on "
+                         f"{device}; make the Documents with x's device")
+    return docs
+
+
 def documents(cu_seqlens, total: int, batch: int, device: torch.device) -> Documents | None:
     """Check cu_seqlens for a packed sequence of `total` = N tokens and micro-batch `batch`; the normalised
     boundaries, or None when there is one document (plain causal attention). Reads the values on the host: pass
-    cu_seqlens on the CPU to spare a CUDA tensor's device sync (the op copies it to `device` itself)."""
+    cu_seqlens on the CPU to spare a CUDA tensor's device sync (the boundaries are copied to `device` here).
+    cu_seqlens may also be a Documents made by this function for the same N and device: it is returned as it is,
+    without a new copy (make it once per packed sequence, pass it to every op on it)."""
+    if isinstance(cu_seqlens, Documents):
+        return _reused(cu_seqlens, total, batch, device)
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be an int32 tensor [n_docs + 1] = (0, l1, l1+l2, ..., N); got "
-                         f"{type(cu_seqlens).__name__}")
+        raise ValueError(f"cu_seqlens must be an int32 tensor [n_docs + 1] = (0, l1, l1+l2, ..., N) or a Documents "
+                         f"made by attention.varlen.documents; got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D [n_docs + 1] with at least [0, N]; got shape "
                          f"{tuple(cu_seqlens.shape)}")
@@ -119,9 +144,7 @@ def documents(cu_seqlens, total: int, batch: int, device: torch.device) -> Docum
     if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x is on {device}; pass it on the CPU (no device "
                          f"sync) or on x's device")
-    if batch != 1:
-        raise ValueError(f"cu_seqlens packs documents into one sequence, so the micro-batch must be 1; got b={batch}: "
-                         f"concatenate the batch's sequences into one packed sequence [N, 1, D]")
+    _check_batch(batch)
     try:
         values = cu_seqlens.tolist()  # plain ints, read directly (also for a real tensor inside FakeTensorMode)
     except Exception as e:  # noqa: BLE001 - a fake or meta tensor has no values

@@ -19,7 +19,8 @@ memory: `_thd` is a view, no copy.
                   signature); lse [hq, N] (>= 2.6) or [n, hq, longest] (<= 2.5).
   te_fused        TransformerEngine's fused_attn_fwd / _bwd with qkv_layout thd_thd_thd and a padding(_causal) mask
                   (kernel_libraries.py); q, k, v, out, dout made dense [N, h, d] (TE derives strides from the layout);
-                  Stats [N, hq, 1] with cuDNN >= 9.6, [n, hq, longest, 1] before.
+                  Stats [N, hq, 1] with cuDNN >= 9.6, [n, hq, longest, 1] before. The backward's `lse` goes in as
+                  the Stats (`te_aux`, shared with kernels.py's fixed-length call).
   sdpa_cudnn      none: aten's cuDNN op has a ragged call but no meta kernel to contract-check it, so it is skipped
                   for cu_seqlens (the automatic choice moves on with that reason).
 
@@ -131,9 +132,23 @@ def _te_fwd(q, k, v, docs, causal, scale):
     return _bhnd(out), aux[0], aux  # aux[0]: softmax Stats
 
 
+def te_aux(lse: torch.Tensor, aux: list) -> list:
+    """TE's aux_ctx_tensors for a backward with softmax statistics `lse`: fused_attn_bwd rebuilds the probabilities
+    from aux_ctx_tensors[0], the Stats of the forward (F16_arbitrary_seqlen: float32 [b, hq, N, 1]; thd [T, hq, 1]
+    or [n, hq, longest, 1]), so `lse` takes their place, in their shape and dtype; the rest (rng_state) stays. TE's
+    own ring attention (context_parallel.py) hands its backward the merged lse the same way, [softmax_lse,
+    rng_state]. The forward's own Stats (or a tensor like them: no copy) pass through as they are."""
+    stats = aux[0]
+    if tuple(lse.shape) not in (tuple(stats.shape), tuple(stats.shape[:-1])):
+        raise ValueError(f"te_fused backward: lse {tuple(lse.shape)} is not laid out like the forward's softmax Stats "
+                         f"{tuple(stats.shape)}")
+    rows = lse.reshape(stats.shape)  # [..., N] (or Stats' shape) -> Stats' [..., N, 1] (a view when dense)
+    return [rows.to(stats.dtype).contiguous(), *aux[1:]]
+
+
 def _te_bwd(dout, q, k, v, out, lse, aux, docs, causal, scale):
-    grads = libs.te_backward(libs.te_api(), *(_dense_thd(t) for t in (dout, q, k, v, out)), aux, causal, scale,
-                             _te_docs(docs))
+    grads = libs.te_backward(libs.te_api(), *(_dense_thd(t) for t in (dout, q, k, v, out)), te_aux(lse, aux), causal,
+                             scale, _te_docs(docs))
     return tuple(_bhnd(g) for g in grads[:3])
 
 

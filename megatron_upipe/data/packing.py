@@ -39,18 +39,19 @@ def document_positions(cu_seqlens: torch.Tensor, start: int, length: int) -> tor
 
 @dataclass
 class DocumentPackedSeqParams(PackedSeqParams):
-    """megatron-core's THD PackedSeqParams of one micro-batch, plus `rope_cache`: the RoPE angles of this rank's
-    in-document positions ([s/C, 1, 1, rot_dim]), made by the first attention layer that asks and shared by the
-    others (and by the recomputed forward), so a packed micro-batch holds one [s/C]-row angle tensor, as an unpacked
-    one does, instead of one per layer or a table of the longest document's rows."""
+    """megatron-core's THD PackedSeqParams of one micro-batch, plus `cache`: what every attention layer of the
+    micro-batch needs and the first one makes, shared by the others and by the recomputed forward — the RoPE angles
+    of this rank's in-document positions ([s/C, 1, 1, rot_dim]: one angle tensor, as an unpacked micro-batch holds,
+    instead of one per layer or a table of the longest document's rows) and the op's document boundaries on the
+    device (one host->device copy per micro-batch instead of one per layer call)."""
 
-    rope_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def rope_angles(self, key, make):
-        """The cached angles for `key` (a rotary module), made by `make()` on first use."""
-        if key not in self.rope_cache:
-            self.rope_cache[key] = make()
-        return self.rope_cache[key]
+    def cached(self, key, make):
+        """The value cached under `key`, made by `make()` on first use."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor) -> DocumentPackedSeqParams:

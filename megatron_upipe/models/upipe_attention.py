@@ -54,6 +54,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_upipe.attention.varlen import documents
 from megatron_upipe.data.packing import DocumentPackedSeqParams, document_positions
 
 
@@ -96,6 +97,19 @@ def _document_boundaries(params) -> torch.Tensor:
         raise ValueError("UPipe/Ulysses attention takes unpadded documents: cu_seqlens_q_padded must be None or "
                          "equal cu_seqlens_q (the op needs no padding to 2·cp: every rank sees whole sequences)")
     return cu
+
+
+def _op_documents(params, cu_seqlens: torch.Tensor, x: torch.Tensor, cp_size: int):
+    """cu_seqlens as the op takes it. With the training step's DocumentPackedSeqParams: the op's checked document
+    boundaries and their int32 copy on x's device (attention.varlen.Documents, for N = s/C·C tokens), made by the
+    first layer that asks and kept in the micro-batch's cache (DocumentPackedSeqParams.cached) for the
+    other layers and the recomputed forward: one blocking host->device copy per micro-batch instead of one per layer
+    call. Else, or for a single document (no copy either way), the tensor itself."""
+    if not isinstance(params, DocumentPackedSeqParams):
+        return cu_seqlens
+    key = ("documents", x.device, x.shape[0] * cp_size)
+    docs = params.cached(key, lambda: documents(cu_seqlens, key[2], x.shape[1], x.device))
+    return cu_seqlens if docs is None else docs
 
 
 class HeadwiseCPSelfAttention(SelfAttention):
@@ -146,7 +160,7 @@ class HeadwiseCPSelfAttention(SelfAttention):
         if self._rotary:
             rotary = self._rotary[0]
             if isinstance(params, DocumentPackedSeqParams):
-                return params.rope_angles(rotary, lambda: rotary.angles_at(positions()))
+                return params.cached(rotary, lambda: rotary.angles_at(positions()))
             return rotary.angles_at(positions())
         return table.index_select(0, positions().to(table.device))  # [s/C, 1, 1, rot]
 
@@ -196,7 +210,7 @@ class HeadwiseCPSelfAttention(SelfAttention):
         extras = {}
         if packed_seq_params is not None:  # packed documents: causal attention inside each one
             cu_seqlens = _document_boundaries(packed_seq_params)
-            extras["cu_seqlens"] = cu_seqlens
+            extras["cu_seqlens"] = _op_documents(packed_seq_params, cu_seqlens, x, self.pg_collection.cp.size())
             if rotary_pos_emb is not None:
                 rotary_pos_emb = self._document_angles(packed_seq_params, rotary_pos_emb, cu_seqlens, x.shape[0])
         G = self.num_query_groups_per_partition
