@@ -132,6 +132,39 @@ def test_index_tensors_are_built_once_per_schedule_and_device():
         assert counts[0] > 0 and counts[1] == 0, counts  # the first call fills the cache (the counter sees it)
 
 
+def test_replicas_are_summed_in_order_with_distinct_indices():
+    """ordered_index_add_ equals adding each replica's rows in their order in kv (bit for bit, bf16 too), and each
+    index_add_ it makes has distinct indices (one addition per row: the same result on every CUDA run)."""
+    from megatron_upipe.attention.upipe import ordered_index_add_, replica_groups
+
+    kv = (0, 0, 1, 1, 0, 1)  # C·n_kv = 6 positions over G = 2 heads, rank-major
+    groups = replica_groups(kv)
+    assert groups == (([0, 2], [0, 1]), ([1, 3], [0, 1]), ([4, 5], [0, 1]))
+    assert replica_groups((0, 1, 2)) == (([0, 1, 2], [0, 1, 2]),)
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(3)
+        src = torch.randn(6, 4, 5, generator=gen).to(dtype) * 1e3
+        dst0 = torch.randn(2, 4, 5, generator=gen).to(dtype)
+        expected = dst0.clone()
+        for pos, head in enumerate(kv):
+            expected[head] += src[pos]
+        got = dst0.clone()
+        seen = []
+        real = torch.Tensor.index_add_
+
+        def spy(self, dim, index, source):
+            seen.append(index.tolist())
+            return real(self, dim, index, source)
+
+        torch.Tensor.index_add_ = spy
+        try:
+            ordered_index_add_(got, tuple((torch.tensor(p), torch.tensor(h)) for p, h in groups), src)
+        finally:
+            torch.Tensor.index_add_ = real
+        assert torch.equal(got, expected), dtype
+        assert seen == [[0, 1]] * 3
+
+
 def test_index_cache_is_not_used_for_fake_tensors():
     """Fake (simulated) tensors get their own index tensors: a cached real tensor would leak into the fake mode."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode

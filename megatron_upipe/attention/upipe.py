@@ -237,14 +237,44 @@ def _gather_heads(buf_shbd, heads: torch.Tensor, C: int) -> torch.Tensor:
     return send
 
 
+def replica_groups(kv_heads: tuple[int, ...]) -> tuple[tuple[list[int], list[int]], ...]:
+    """A round's KV head ids [C·n_kv] (a head repeats when KV heads are replicated, C·n_kv > G) split into groups of
+    distinct heads, by occurrence: group r holds (positions, heads) of every head's r-th occurrence, positions in
+    increasing order. Summing the groups in turn adds each head's replicas in the order they appear."""
+    groups: list[tuple[list[int], list[int]]] = []
+    seen: dict[int, int] = {}
+    for pos, head in enumerate(kv_heads):
+        r = seen.get(head, 0)
+        seen[head] = r + 1
+        if r == len(groups):
+            groups.append(([], []))
+        groups[r][0].append(pos)
+        groups[r][1].append(head)
+    return tuple(groups)
+
+
 def _build_indices(sched: UPipeSchedule, device: torch.device):
     """Index tensors per stage (query heads [U], and their W_Q rows as (group, j)) and per round (KV head ids
-    [C·n_kv]), rank-major: (stage_heads, stage_rows, round_kv)."""
+    [C·n_kv], and `replica_groups` as (positions, heads) tensors), rank-major: (stage_heads, stage_rows, round_kv,
+    round_groups)."""
     g = sched.group_size
     with torch.inference_mode(False):  # usable outside inference mode too, when cached
         stage_heads = tuple(torch.tensor(st.q_heads, device=device) for st in sched.stages)  # host -> device
         round_kv = tuple(torch.tensor(kv, device=device) for kv in sched.round_kv_heads)
-        return stage_heads, tuple((h // g, h % g) for h in stage_heads), round_kv
+        round_groups = tuple(tuple((torch.tensor(pos, device=device), torch.tensor(heads, device=device))
+                                   for pos, heads in replica_groups(kv)) for kv in sched.round_kv_heads)
+        return stage_heads, tuple((h // g, h % g) for h in stage_heads), round_kv, round_groups
+
+
+def ordered_index_add_(dst: torch.Tensor, groups, src: torch.Tensor) -> None:
+    """dst.index_add_(0, kv, src) with each head's replicas summed in their order in kv: one index_add_ per group of
+    distinct heads (`replica_groups`). index_add_ with repeated indices sums them with atomics in no fixed order on
+    CUDA; with distinct indices every row gets one addition, so the result is the same on every run."""
+    if len(groups) == 1:
+        dst.index_add_(0, groups[0][1], src)
+        return
+    for pos, heads in groups:
+        dst.index_add_(0, heads, src.index_select(0, pos))
 
 
 @lru_cache(maxsize=64)
@@ -302,7 +332,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b
     C, m, n_kv = sched.cp_size, sched.q_per_rank, sched.kv_per_rank
     H, d = sched.num_heads, w_q.shape[2]
     xin = _Rows(x.reshape(s * b, D), norm_w, rstd, op.norm_tile_rows)  # [s·b, D] rows (normalised on the fly)
-    stage_heads, stage_rows, round_kv = _stage_indices(sched, x)
+    stage_heads, stage_rows, round_kv, _ = _stage_indices(sched, x)
     out = torch.empty((s, b, H * d), dtype=x.dtype, device=x.device)  # [s, b, H·d]
     out_shbd = out.view(s, b, H, d)
     lses, auxes, saved = [], [], []
@@ -400,7 +430,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     H, d = sched.num_heads, w_q.shape[2]
     dtype, acc = x.dtype, _acc_dtype(x.dtype, op.accumulate_fp32)
     xin = _Rows(x.reshape(s * b, D), norm_w, rstd, op.norm_tile_rows)  # [s·b, D] rows (normalised on the fly)
-    stage_heads, stage_rows, round_kv = _stage_indices(sched, x)
+    stage_heads, stage_rows, round_kv, round_groups = _stage_indices(sched, x)
     out_shbd = out.view(s, b, H, d)
     if w_o is None:
         dout_shbd = dout.contiguous().view(s, b, H, d)
@@ -428,7 +458,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
         dp = head_norm_backward(p.view(s * b, R, d), nw, p_rstd, rows.view(s * b, R, d), dnw)  # [s·b, R, d]
         return dp.view(s * b, R * d)
 
-    def finish_round(kv, dk_acc, dv_acc):
+    def finish_round(kv, groups, dk_acc, dv_acc):
         for g_acc, w, dw, rot, bias, nw, dnw, db in ((dk_acc, w_k, dw_k, rope, b_k, k_norm_w, dkn_w, db_k),
                                                       (dv_acc, w_v, dw_v, None, b_v, None, None, db_v)):
             rows = _heads_to_rows(g_acc.to(dtype), rot, s, b, op)  # [s·b, C·n_kv·d]
@@ -438,10 +468,10 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
                 rows = pre_norm_grad(rows, pre, nw, dnw)
                 del pre
             if db is not None:  # replicas sum here
-                db.index_add_(0, kv, rows.view(s * b, C * n_kv, d).sum(0, dtype=small))  # [C·n_kv, d]
+                ordered_index_add_(db, groups, rows.view(s * b, C * n_kv, d).sum(0, dtype=small))  # [C·n_kv, d]
             add_input_grad(rows, w_rows)
             if needs_dw:
-                dw.index_add_(0, kv, xin.t_mm(rows).view(C * n_kv, d, D))  # replicas sum here
+                ordered_index_add_(dw, groups, xin.t_mm(rows).view(C * n_kv, d, D))  # replicas sum here, in order
 
     ov = op.overlap
 
@@ -534,7 +564,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
             del rows, q_pre, w_rows
         if last_of_round:
             k_head = v_head = None
-            finish_round(kv, dk_acc, dv_acc)
+            finish_round(kv, round_groups[st.round_index], dk_acc, dv_acc)
             dk_acc = dv_acc = None
     small_grads = tuple(None if a is None else a.to(t.dtype) for a, t in
                         ((db_q, b_q), (db_k, b_k), (db_v, b_v), (dqn_w, q_norm_w), (dkn_w, k_norm_w)))
