@@ -1,13 +1,16 @@
 """tools/gpu_check.py's CPU-runnable parts: its CLI (--help, --dry-run, no GPU), its numerics checks run on the CPU
 kernel (they pass on a correct kernel and fail on a wrong one, so their float64 reference composition - RMSNorm,
 attention, W_O, the fused-weight gradient mapping - is right), and the calibration file it writes, read back by
-the planner's reader (megatron_upipe/planner/devices.py)."""
+the planner's reader (megatron_upipe/planner/devices.py). tools/gpu_check.sh: its parts' time limits fit the 8
+minutes, and its --dry-run runs the multi-rank parts on the CPU (their checks: tests/test_gpu_check_multirank.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +81,27 @@ def test_calibration_file_is_what_the_planner_reads(tmp_path):
     margins = devices.margins_for(h200, 8, calibration_file=path)
     assert margins.cuda_context_bytes == 900 << 20 and margins.fragmentation == 0.031
     assert "calibrated on NVIDIA H200" in margins.source
+
+
+def _time_limits() -> dict[str, int]:
+    """The default time limit (s) of each part of tools/gpu_check.sh, as the script sets them."""
+    text = (REPO / "tools" / "gpu_check.sh").read_text()
+    return {name: int(s) for name, s in re.findall(r"^(GPU_\w+_S)=\$\{\1:-(\d+)\}$", text, re.M)}
+
+
+def test_the_parts_time_limits_fit_eight_minutes():
+    limits = _time_limits()
+    assert set(limits) == {"GPU_CHECK_S", "GPU_MULTIRANK_S", "GPU_ONE_RANK_S", "GPU_SANITIZER_S", "GPU_TRAIN_S",
+                           "GPU_PYTEST_S"}
+    assert sum(limits.values()) + limits["GPU_TRAIN_S"] <= 8 * 60, limits  # two training runs
+
+
+def test_script_dry_run_runs_the_multirank_checks_on_the_cpu(tmp_path):
+    """`bash tools/gpu_check.sh --dry-run`: part 1's plan, then parts 2-3 on the CPU, their JSON in $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "gpu_check plan" in r.stdout and "threaded: " in r.stdout and "one_rank (gloo)" in r.stdout
+    report = json.loads((tmp_path / "gpu_multirank.json").read_text())
+    assert report["threaded"]["ok"] and report["one_rank"]["ok"] and len(report["threaded"]["cases"]) > 30
