@@ -7,7 +7,8 @@
 # Arguments are config overrides: the config resolved with them is written to $RUN_DIR/config.yaml, and that
 # file is what every rank reads. Optional environment:
 #   CONFIG          config file (default: examples/configs/llama3_8b_upipe_8xh100.yaml)
-#   RUN_DIR         run directory (default: runs/<config name>-<date-time>); log.metrics_file goes there
+#   RUN_DIR         run directory (default: runs/<config name>-<date-time>); log.metrics_file and checkpoint.dir
+#                   (RUN_DIR/checkpoints) go there: a new launch is a new run; RUN_DIR=<an earlier run> resumes it
 #   NPROC_PER_NODE  ranks (default: the GPUs nvidia-smi lists)
 #   MASTER_PORT     rendezvous port (default: 29500)
 #   VENV            virtual environment to activate if present (default: .venv, made by tools/setup_env.sh;
@@ -43,6 +44,7 @@ source examples/launch_env.sh
 # checked, and only then moved into the run directory.
 OVERRIDES=(
   "log.metrics_file=$RUN_DIR/metrics.jsonl"
+  "checkpoint.dir=$RUN_DIR/checkpoints"  # checkpoints belong to their run (relaunch with RUN_DIR=... to resume it)
   "$@"
 )
 resolved=$(mktemp "${TMPDIR:-/tmp}/config.XXXXXX.yaml")
@@ -61,8 +63,12 @@ TORCHRUN_ARGS=(
 )
 TRAIN_ARGS=(
   --config "$RUN_DIR/config.yaml"
+  --status-file "$RUN_DIR/exit_status"  # the job's own exit status: torchrun exits 1 whenever a rank exits non-zero
   "${train_extra[@]}"
 )
 
 echo "run dir: $RUN_DIR; $NPROC_PER_NODE ranks"
-torchrun "${TORCHRUN_ARGS[@]}" pretrain_llama.py "${TRAIN_ARGS[@]}"
+rm -f "$RUN_DIR/exit_status"
+rc=0
+torchrun "${TORCHRUN_ARGS[@]}" pretrain_llama.py "${TRAIN_ARGS[@]}" || rc=$?
+exit "$(cat "$RUN_DIR/exit_status" 2>/dev/null || echo "$rc")"  # the job's status (5: saved; relaunch to resume)

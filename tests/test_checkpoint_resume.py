@@ -114,9 +114,10 @@ def _job(rank, world_size, tmp):
         run("skip", "train.steps=4", "train.nan_policy=skip")
     finally:
         undo()
-    # A fresh run (resume=false) into A's directory saves steps 3 and 6 again over A's: replaced, never lost.
-    out["again"] = run_main(*BASE, f"checkpoint.dir={tmp}/A", "checkpoint.resume=false", "checkpoint.interval=3",
-                            f"log.metrics_file={tmp}/again.jsonl")
+    # A fresh run (resume=false) into A's directory, told to overwrite it, saves steps 3 and 6 again over A's
+    # (without checkpoint.overwrite=true it is refused: tests/test_nothing_lost.py).
+    out["again"] = run_main(*BASE, f"checkpoint.dir={tmp}/A", "checkpoint.resume=false", "checkpoint.overwrite=true",
+                            "checkpoint.interval=3", f"log.metrics_file={tmp}/again.jsonl")
     out["mockA"] = run_main(*MOCK, f"checkpoint.dir={tmp}/mockA", "checkpoint.interval=1", "checkpoint.keep_last=null",
                             f"log.metrics_file={tmp}/mockA.jsonl")
     out["mockB"] = run_main(*MOCK, f"checkpoint.dir={tmp}/mockB", f"checkpoint.load={tmp}/mockA/iter_0000001",
@@ -263,9 +264,10 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     code, output = _launch(driver, tmp_path, {}, "resumed.log")
     assert code == 0, output[-3000:]
     assert f"resumed from {ckpt / 'iter_0000002'} at step 2" in output
-    second = read_metrics(tmp_path / "metrics.jsonl")[len(first):]
-    assert [r["step"] for r in second] == [3, 4, 5, 6]
-    assert [r["loss"] for r in second[:2]] == [r["loss"] for r in first[2:]]  # the interrupted steps, exactly
+    # One curve: the killed run's steps 3-4 are replaced by the resumed run's, which reproduce them exactly.
+    both = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in both] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in both[2:4]] == [r["loss"] for r in first[2:]]
     assert (ckpt / "latest").read_text().strip() == "iter_0000006"
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000004", "iter_0000006", "latest"]  # keep_last=2
 

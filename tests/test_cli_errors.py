@@ -353,3 +353,13 @@ def test_cpu_demo_builds_its_environment_on_a_fresh_clone(tmp_path):
     assert first[-1].startswith("torchrun --nproc-per-node 2") and first[-1].endswith("train.steps=20")
     # The fake .venv's python answers the usability check too (exit 0), so the second run reuses it.
     assert "setup_env.sh" not in demo()
+    # A run already in RUN_DIR is never deleted: the demo resumes it (train.steps=N extends it) and says so.
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_0000200").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("iter_0000200\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    r = subprocess.run(["bash", "examples/run_cpu_demo.sh", "train.steps=400"], cwd=clone, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"{run} holds a run: resuming it" in r.stderr
+    assert (run / "checkpoints" / "iter_0000200").is_dir() and (run / "metrics.jsonl").read_text() == "{}\n"

@@ -208,7 +208,7 @@ def test_converted_weights_train_and_export_to_hf_with_the_same_loss(job, family
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith(f"wrote HF {family} model, {21 if family == 'llama' else 24} tensors, ")
-    assert "no tokenizer files: data.tokenizer=" in summary  # a sentencepiece model, not an HF tokenizer
+    assert "tokenizer tokenizer.model, tokenizer_config.json from data.tokenizer=" in summary  # the run's spm model
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["rope_parameters"]["rope_theta"] == (20000.0 if family == "llama" else 10000.0)
     hf = _hf_loss(tmp_path / "hf", tokens)

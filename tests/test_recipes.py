@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_upipe.config import load_config
+from megatron_upipe.training.recipe_times import sbatch_config, sbatch_directives
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -38,6 +39,10 @@ if name == "scontrol":
     print("\\n".join(os.environ["FAKE_HOSTS"].split()))
 if name == "nvidia-smi":
     print("\\n".join(f"GPU {{i}}: NVIDIA H100 (UUID: GPU-{{i}})" for i in range(int(os.environ["FAKE_GPUS"]))))
+if name == "torchrun" and os.environ.get("FAKE_STATUS"):  # the job's status file, then torchrun's own exit 1
+    with open(sys.argv[sys.argv.index("--status-file") + 1], "w") as f:
+        f.write(os.environ["FAKE_STATUS"] + "\\n")
+    sys.exit(1)
 """
 
 
@@ -47,22 +52,8 @@ def world_size_of(config: Path) -> int:
     return int(m.group(1))
 
 
-def sbatch_directives(script: Path) -> dict[str, str]:
-    """The #SBATCH --key=value lines of a batch script (those before its first command, as sbatch reads them)."""
-    out = {}
-    for line in script.read_text().splitlines()[1:]:
-        if not line.startswith("#"):
-            break
-        if line.startswith("#SBATCH "):
-            key, _, value = line.removeprefix("#SBATCH ").strip().partition("=")
-            out[key] = value
-    return out
-
-
 def config_of(script: Path) -> Path:
-    m = re.search(r"^CONFIG=\$\{CONFIG:-(\S+)\}$", script.read_text(), re.MULTILINE)
-    assert m, f"{script.name} must default CONFIG to a shipped config"
-    return ROOT / m.group(1)
+    return ROOT / sbatch_config(script)
 
 
 def test_every_config_dry_runs_at_its_world_size():
@@ -171,7 +162,8 @@ def test_sbatch_recipe_launches_torchrun_per_node(script, tmp_path):
     assert option(t, "--rdzv-backend") == "c10d" and option(t, "--rdzv-id") == "4242"
     host, port = option(t, "--rdzv-endpoint").split(":")
     assert host == "gpu-017" and 1024 < int(port) < 32768
-    assert t[t.index("pretrain_llama.py"):] == ["pretrain_llama.py", "--config", f"{run_dir}/config.yaml", "--dry-run"]
+    assert t[t.index("pretrain_llama.py"):] == ["pretrain_llama.py", "--config", f"{run_dir}/config.yaml",
+                                           "--status-file", f"{run_dir}/exit_status", "--dry-run"]
     assert torchrun["cwd"] == str(ROOT)
     e = torchrun["env"]
     assert e["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
@@ -182,6 +174,7 @@ def test_sbatch_recipe_launches_torchrun_per_node(script, tmp_path):
     shipped = load_config(str(config_of(script)), [])
     assert resolved.train.steps == 3 and resolved.train.lr == 1e-4
     assert resolved.log.metrics_file == f"{run_dir}/metrics.jsonl"
+    assert resolved.checkpoint.dir == f"{run_dir}/checkpoints"  # the run's own, not the config's shared one
     assert resolved.parallel == shipped.parallel and resolved.model == shipped.model
     assert resolved.train.seq_length == shipped.train.seq_length
 
@@ -197,9 +190,24 @@ def test_sbatch_environment_overrides(tmp_path):
     (torchrun,) = fakes.calls("torchrun")
     assert option(torchrun["argv"], "--nproc-per-node") == "2"
     assert option(torchrun["argv"], "--rdzv-endpoint") == "gpu-017:23456"
-    assert torchrun["argv"][-2:] == ["--config", f"{run_dir}/config.yaml"]
+    assert torchrun["argv"][-4:] == ["--config", f"{run_dir}/config.yaml", "--status-file", f"{run_dir}/exit_status"]
     resolved = load_config(str(run_dir / "config.yaml"), [])
     assert resolved.model.preset == "tiny" and resolved.log.metrics_file == f"{tmp_path}/m.jsonl"
+
+
+@pytest.mark.parametrize("requeue", [False, True])
+def test_sbatch_exits_with_the_jobs_status_and_requeues_when_asked(requeue, tmp_path):
+    """torchrun exits 1 whenever a rank exits non-zero; the batch script exits with the job's own status (5: saved,
+    resubmit) from RUN_DIR/exit_status, and with REQUEUE=1 requeues itself (scontrol requeue) on 5."""
+    fakes = Fakes(tmp_path)
+    env = slurm_env(1, 8, 91, tmp_path / "run") | {"FAKE_STATUS": "5"} | ({"REQUEUE": "1"} if requeue else {})
+    one_node = ROOT / "examples" / "slurm" / "llama3_8b_upipe_8xh100.sbatch"
+    r = fakes.run(one_node, **env)
+    assert r.returncode == 5, r.stdout + r.stderr
+    requeues = [c["argv"] for c in fakes.calls("scontrol") if c["argv"][0] == "requeue"]
+    assert requeues == ([["requeue", "91"]] if requeue else [])
+    r = fakes.run(one_node, **(env | {"FAKE_STATUS": "2"}))
+    assert r.returncode == 2 and [c["argv"] for c in fakes.calls("scontrol") if c["argv"][0] == "requeue"] == requeues
 
 
 @pytest.mark.parametrize("case", ["bad override", "wrong world size", "not under slurm", "not the repository"])
@@ -234,12 +242,14 @@ def test_single_node_recipe(tmp_path):
     t = torchrun["argv"]
     assert option(t, "--nnodes") == "1" and option(t, "--nproc-per-node") == "8"
     assert option(t, "--rdzv-endpoint") == "localhost:29500"
-    assert t[t.index("pretrain_llama.py"):] == ["pretrain_llama.py", "--config", f"{run_dir}/config.yaml", "--dry-run"]
+    assert t[t.index("pretrain_llama.py"):] == ["pretrain_llama.py", "--config", f"{run_dir}/config.yaml",
+                                           "--status-file", f"{run_dir}/exit_status", "--dry-run"]
     assert torchrun["cwd"] == str(ROOT)
     assert torchrun["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     resolved = load_config(str(run_dir / "config.yaml"), [])
     assert resolved.train.steps == 3 and resolved.parallel.cp == 8
     assert resolved.log.metrics_file == f"{run_dir}/metrics.jsonl"
+    assert resolved.checkpoint.dir == f"{run_dir}/checkpoints"  # each launch its own checkpoints
 
 
 def test_single_node_recipe_on_cpu(tmp_path):
@@ -306,3 +316,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.name)
+def test_sbatch_time_limit_holds_the_first_checkpoint_by_the_step_time_model(script):
+    """examples/plans/recipe_step_times.json (tools/recipe_times.py: the planner's step-time model on this config at
+    this world size) is current for the recipe, the first checkpoint comes within the first half of --time, and the
+    header says the step time, the interval and the first checkpoint as the model gives them."""
+    from megatron_upipe.training.recipe_times import (
+        TIMES_FILE, config_sha256, header_lines, recipe_problems, sbatch_world_size, time_limit_s,
+    )
+
+    d = sbatch_directives(script)
+    entry = json.loads((ROOT / TIMES_FILE).read_text())[script.name]
+    config = config_of(script)
+    assert (entry["config"], entry["world_size"]) == (str(config.relative_to(ROOT)), sbatch_world_size(d))
+    assert entry["config_sha256"] == config_sha256(config), f"{TIMES_FILE} is stale: rerun tools/recipe_times.py"
+    interval = load_config(str(config), []).checkpoint.interval
+    limit = time_limit_s(d["--time"])
+    assert recipe_problems(script.name, limit, interval, entry["step_s"]) == []
+    text = script.read_text()
+    for line in header_lines(entry["step_s"], interval, limit):
+        assert line in text, f"{script.name}'s header must carry: {line}"
+
+
+def test_the_time_rule_refuses_a_first_checkpoint_past_half_the_limit():
+    from megatron_upipe.training.recipe_times import recipe_problems, time_limit_s
+
+    assert [time_limit_s(v) for v in ("06:00:00", "1-00:00:00", "90", "30:00")] == [21600, 86400, 5400, 1800]
+    step = 1.86 * 3600  # about the 8B 5M recipe's step by the model
+    (problem,) = recipe_problems("x.sbatch", time_limit_s("06:00:00"), 5, step)  # the recipes' old settings
+    assert "first checkpoint comes after 9.4" in problem and "lower checkpoint.interval or raise --time" in problem
+    assert recipe_problems("x.sbatch", time_limit_s("06:00:00"), 1, step) == []
+    assert "saves nothing" in recipe_problems("x.sbatch", 21600, 0, step)[0]

@@ -20,11 +20,13 @@ iter_XXXXXXX directory): "dist_checkpointing" saved in any layout (the model par
 saved rank, and gathered). The output loads with transformers' AutoModelForCausalLM.from_pretrained: config.json of
 the family (qk_norm -> qwen3, qkv_bias -> qwen2, else llama; or --model-type), safetensors in the checkpoint's
 dtype (--dtype float32 on a bf16 run: the fp32 main weights where the checkpoint keeps them, see
-megatron_upipe/checkpoint/hf_export.py), and the tokenizer files when known (the converted checkpoint's, the run's
-HF data.tokenizer, or with mock data those of the checkpoint.load it started from).
+megatron_upipe/checkpoint/hf_export.py), and the tokenizer when known (the converted checkpoint's files, the run's
+HF data.tokenizer, the run's sentencepiece .model as tokenizer.model + a LlamaTokenizer tokenizer_config.json, or
+with mock data the files of the checkpoint.load it started from), which transformers' AutoTokenizer loads.
 
-Runs on CPU. --out must be a new or empty directory. Bad input ends in one line, exit 2, before any weight is read;
-the end is one summary line ("wrote HF qwen3 model, N tensors, X GiB, ... to DIR").
+Runs on CPU. --out must be a new or empty directory. Bad input ends in one line, exit 2, before any weight is read:
+also a damaged input (a truncated or garbage safetensors, .bin, .distcp or .metadata file), named with the fix. The
+end is one summary line ("wrote HF qwen3 model, N tensors, 15.0 GiB, ... to DIR": the bytes written).
 """
 
 from __future__ import annotations
@@ -115,4 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_upipe.console import quiet_third_party
+
+    quiet_third_party(cuda=False, tool=True)  # known-harmless notices; megatron-core is imported in main()
     sys.exit(main())

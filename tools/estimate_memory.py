@@ -12,7 +12,8 @@ config's own train.seq_length for each strategy; with it, it finds the longest m
 For a GPU model with stated speed constants (h100-80gb, h200) each estimate also gets a `time:` line: the
 step-time model's seconds per step and tokens/s per GPU from the FLOPs and collective bytes counted on the same
 fake run (megatron_upipe/planner/step_time.py; calibrated by tools/step_time_report.py). Library code:
-megatron_upipe/planner/.
+megatron_upipe/planner/. --json and --plot must name a file in an existing, writable directory (and --plot a format
+matplotlib writes): checked before anything is simulated.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import argparse
 import dataclasses
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_upipe.cli import ArgumentParser, fail, positive_int  # noqa: E402
 from megatron_upipe.config import ConfigError, validate  # noqa: E402
+from megatron_upipe.config.outputs import file_problem  # noqa: E402
 from megatron_upipe.planner.devices import (  # noqa: E402
     DEFAULT_GPU, GIB, GPUS, NCCL_TOPOLOGIES, margins_for, resolve_gpu,
 )
@@ -64,6 +65,22 @@ def _margins(a, gpu_model, world: int):
     return dataclasses.replace(m, **given, source=m.source + (", overridden: " + ", ".join(given) if given else ""))
 
 
+def output_problem(option: str, path: str) -> str | None:
+    """Why --json / --plot PATH could not be written after the simulation, or None."""
+    reason = file_problem(path, make_dir=False)
+    if reason:
+        return f"{reason}: give a file in an existing, writable directory"
+    if option == "--plot" and os.path.splitext(path)[1]:
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError:
+            return "writing a plot needs matplotlib: pip install matplotlib"
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if os.path.splitext(path)[1][1:].lower() not in formats:
+            return f"matplotlib cannot write {os.path.splitext(path)[1]} files: use one of {', '.join(sorted(formats))}"
+    return None
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
@@ -88,9 +105,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
-    warnings.filterwarnings("ignore")
 
     try:
+        for option, path in (("--json", a.json), ("--plot", a.plot)):  # written at the end: refused before simulating
+            if path is not None and (reason := output_problem(option, path)):
+                raise ValueError(f"{option} {path}: {reason}")
         source = ConfigSource(a.config, tuple(a.overrides))
         config = source.load()
         p_ = config.parallel
@@ -155,4 +174,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_upipe.console import quiet_third_party
+
+    quiet_third_party(cuda=False, tool=True)  # known-harmless notices; megatron-core is imported in main()
     sys.exit(main())

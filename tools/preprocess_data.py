@@ -65,4 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_upipe.console import quiet_third_party
+
+    quiet_third_party(cuda=False, tool=True)  # known-harmless notices; megatron-core is imported in main()
     sys.exit(main())

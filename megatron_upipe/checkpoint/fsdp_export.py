@@ -66,12 +66,12 @@ def _gather_on_rank(ckpt: Path, meta: dict, main: bool) -> dict[str, torch.Tenso
     from megatron_upipe.config import load_config, validate
     from megatron_upipe.models.presets import LlamaArch
     from megatron_upipe.training.build import build_stage
-    from megatron_upipe.training.checkpointing import load_fsdp_model_buffers
+    from megatron_upipe.training.checkpointing import load_fsdp_model_buffers, load_own_file
     from megatron_upipe.training.optim import wrap_model
     from megatron_upipe.training.setup import setup_distributed
 
     arch, vocab = LlamaArch.from_dict(meta["model"]), meta["model"]["vocab_size"]
-    saved = torch.load(ckpt / "fsdp" / "rank00000.pt", map_location="cpu", weights_only=False, mmap=True)
+    saved = load_own_file(ckpt / "fsdp" / "rank00000.pt", mmap=True)
     bf16 = any(t.dtype == torch.bfloat16 for bufs in saved["buffers"] for t in bufs.values())
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
@@ -99,6 +99,9 @@ def _gather_on_rank(ckpt: Path, meta: dict, main: bool) -> dict[str, torch.Tenso
 
 
 def _worker(rank: int, world: int, port: int, ckpt: str, meta: dict, main: bool, result: str, queue) -> None:
+    from megatron_upipe.console import quiet_third_party
+
+    quiet_third_party(cuda=False, tool=True)  # a spawned child: the tool's filters, before megatron-core is imported
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -56,8 +56,17 @@ def config_dict(cfg) -> dict[str, Any]:
 
 
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
-    """config.json of an HF model directory (OSError / ValueError when absent or unreadable)."""
-    return json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
+    """config.json of an HF model directory (OSError when absent, ValueError naming it when it is not a JSON
+    object)."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not JSON ({' '.join(str(e).split())[:120]}): it is truncated or damaged; "
+                         f"download or save the model again") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not a model config object")
+    return config
 
 
 def family_of_config(d: dict[str, Any]) -> str:

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from megatron_upipe.checkpoint.hf_convert import check_hf_tensors, check_tied_head, hf_to_stage, load_hf_into_model
 from megatron_upipe.checkpoint.hf_families import arch_from_hf_config, family_of_arch, read_hf_config
-from megatron_upipe.checkpoint.hf_io import HFWeights, copy_tokenizer_files, storage_dtype
+from megatron_upipe.checkpoint.hf_io import (HFWeights, copy_tokenizer_files, directory_bytes, size_words,
+                                             storage_dtype)
 from megatron_upipe.checkpoint.sources import save_meta
 from megatron_upipe.models.presets import LlamaArch
 
@@ -68,12 +69,11 @@ def convert_hf_to_mcore(hf_dir: str | Path, ckpt_dir: str | Path, progress: bool
     tokenizer = copy_tokenizer_files(hf_dir, ckpt_dir)
     save_meta(ckpt_dir, hf.arch, hf.vocab_size, family=hf.family, dtype=str(dtype).removeprefix("torch."),
               source=str(Path(hf_dir).resolve()), tokenizer_files=tokenizer)
-    gib = sum(p.numel() * p.element_size() for _, p in params) / 2**30
     skipped = f"; skipped {hf.derived_buffers} rotary_emb.inv_freq buffers (from the config)" \
         if hf.derived_buffers else ""
     return (f"wrote {hf.family} model ({len(hf.weights)} HF tensors -> {len(params)} megatron tensors, "
-            f"{str(dtype).removeprefix('torch.')}, {gib:.2f} GiB; tokenizer files: {', '.join(tokenizer) or 'none'}"
-            f"{skipped}) to {ckpt_dir}")
+            f"{str(dtype).removeprefix('torch.')}, {size_words(directory_bytes(ckpt_dir))}; tokenizer files: "
+            f"{', '.join(tokenizer) or 'none'}{skipped}) to {ckpt_dir}")
 
 
 @torch.no_grad()

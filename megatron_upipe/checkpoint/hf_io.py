@@ -5,12 +5,18 @@ pytorch_model.bin, in this order of preference; safetensors are read one tensor 
 memory-mapped), so a rank reads only the tensors of its stage and nothing before the names and shapes are checked.
 The HF model class is never instantiated. Writing (`write_hf_weights`): safetensors files of at most 5 GiB each
 (model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json, as transformers writes
-them). `copy_tokenizer_files` copies whichever of `TOKENIZER_FILES` a directory has.
+them). `copy_tokenizer_files` copies whichever of `TOKENIZER_FILES` a directory has; `write_sentencepiece_tokenizer`
+turns a sentencepiece .model (data.tokenizer of a run) into tokenizer.model + a tokenizer_config.json that
+transformers loads as LlamaTokenizer with the ids our SentencePieceTokenizer gives (no BOS/EOS added, special-token
+text split like any text, as the training data was tokenized). A weight file that does not read (truncated,
+garbage) is a ValueError naming it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -34,7 +40,11 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
             continue
         if not name.endswith(".index.json"):
             return [path]
-        weight_map = json.loads(path.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a weight index ({type(e).__name__}: {e}): it is truncated or damaged; "
+                             f"download or save the model again") from None
         files = [hf_dir / f for f in sorted(set(weight_map.values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -44,11 +54,17 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
                      f"{_WEIGHT_FILES[3]} or {_WEIGHT_FILES[2]}")
 
 
+def _unreadable(path: Path, what: str, e: BaseException) -> str:
+    size = path.stat().st_size if path.exists() else 0
+    first = " ".join(str(e).split()).split(". ")[0][:200]  # the first sentence: torch's go on with advice
+    return f"{path} is not {what} ({first}; {size} bytes): it is truncated or damaged; download or save the model again"
+
+
 class HFWeights(Mapping[str, torch.Tensor]):
     """The tensors of an HF checkpoint directory by name; safetensors are read on access, one tensor at a time."""
 
     def __init__(self, hf_dir: str | Path) -> None:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.files = weight_files(hf_dir)
         self._where: dict[str, object] = {}  # name -> safe_open handle, or the loaded .bin state dict
@@ -56,14 +72,22 @@ class HFWeights(Mapping[str, torch.Tensor]):
         self.dtypes: set[str] = set()
         for path in self.files:
             if path.suffix == ".safetensors":
-                handle = safe_open(str(path), framework="pt")
+                try:  # the header, checked against the file's length
+                    handle = safe_open(str(path), framework="pt")
+                except SafetensorError as e:
+                    raise ValueError(_unreadable(path, "a readable safetensors file", e)) from None
                 names = list(handle.keys())
                 for name in names:
                     view = handle.get_slice(name)
                     self.shapes[name] = tuple(view.get_shape())
                     self.dtypes.add(str(view.get_dtype()))
             else:
-                handle = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    handle = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+                    raise ValueError(_unreadable(path, "a readable PyTorch state dict", e)) from None
+                if not isinstance(handle, dict):
+                    raise ValueError(f"{path} holds a {type(handle).__name__}, not a state dict of tensors")
                 names = list(handle)
                 for name in names:
                     self.shapes[name] = tuple(handle[name].shape)
@@ -127,3 +151,59 @@ def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     for name in names:
         shutil.copyfile(Path(src_dir) / name, Path(dst_dir) / name)
     return names
+
+
+def directory_bytes(path: str | Path) -> int:
+    """The bytes of the files under `path` (what a conversion wrote)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def size_words(n: int) -> str:
+    """`n` bytes in the largest binary unit that keeps it >= 1: '7.0 MiB', '15.02 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _sentencepiece_proto(model: str | Path):
+    from sentencepiece import sentencepiece_model_pb2  # needs protobuf, as transformers' conversion does
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(model).read_bytes())
+    return proto, sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
+
+
+def sentencepiece_problem(model: str | Path) -> str | None:
+    """Why transformers' LlamaTokenizer (BPE with byte fallback, no normalizer) would not give the sentencepiece
+    model's ids, or None when it does: another model type, a normalizer, or collapsed whitespace."""
+    try:
+        proto, kind = _sentencepiece_proto(model)
+    except ImportError:
+        return "reading a sentencepiece model's settings needs protobuf: pip install protobuf"
+    norm = proto.normalizer_spec
+    if kind != "BPE":
+        return f"its model type is {kind}, and transformers' LlamaTokenizer is BPE"
+    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
+        return f"it normalizes text ({norm.name}), which transformers' LlamaTokenizer does not"
+    if norm.remove_extra_whitespaces:
+        return "it collapses runs of whitespace, which transformers' LlamaTokenizer does not"
+    return None
+
+
+def write_sentencepiece_tokenizer(model: str | Path, dst_dir: str | Path) -> list[str]:
+    """tokenizer.model (a copy of `model`) + tokenizer_config.json for transformers' LlamaTokenizer, whose ids
+    equal SentencePieceTokenizer's: no BOS/EOS added, special-token text split like any text, the model's own
+    special pieces (pad: eos when it has none, as ours); returns the names written. Check `sentencepiece_problem`
+    first."""
+    proto, _ = _sentencepiece_proto(model)
+    spec = proto.trainer_spec
+    ids = {"unk_token": spec.unk_id, "bos_token": spec.bos_id, "eos_token": spec.eos_id,
+           "pad_token": spec.pad_id if spec.pad_id >= 0 else spec.eos_id}
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+              "add_prefix_space": proto.normalizer_spec.add_dummy_prefix, "legacy": False,
+              "split_special_tokens": True, "clean_up_tokenization_spaces": False,
+              **{name: proto.pieces[i].piece for name, i in ids.items() if i >= 0}}
+    shutil.copyfile(model, Path(dst_dir) / "tokenizer.model")
+    (Path(dst_dir) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ["tokenizer.model", "tokenizer_config.json"]

@@ -12,12 +12,20 @@ Three kinds of directory give a model's weights:
 the RoPE fields (rotary_base, rope_scaling, max_position_embeddings), whose change is how a long-context extension
 is run; those come back as a "RoPE changed from the checkpoint: ..." note. `initial_weights_problems(config)` is
 the start-up (and --dry-run) check of `checkpoint.load` when it names a converted or HF directory.
+
+A training checkpoint's manifest.json records each of its files' size and CRC-32 (written at save, before the
+checkpoint is published: training/checkpointing.py); `file_problem` checks one file against it. CRC-32 (zlib, read in
+8 MiB chunks) runs at about 3 GB/s on one core, so the cost is the read itself; training/checkpointing.py spreads
+the files over the ranks. `resume_candidates(run_dir)` lists the complete checkpoints in the order a resume tries
+them: the one `latest` names, then the others newest first (also when `latest` names nothing usable).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +34,10 @@ from megatron_upipe.models.presets import LlamaArch
 
 META_FILE = "upipe_model.json"  # converted checkpoints
 TRAIN_META = "train_state.json"  # training checkpoints
+MANIFEST = "manifest.json"  # training checkpoints: {"files": {relative path: {"bytes", "crc32"}}, "total_bytes"}
 LATEST = "latest"
+CHECKPOINT_NAME = re.compile(r"^iter_(\d{7,})$")
+_CHUNK = 8 << 20  # bytes read at a time for the CRC-32
 TRAINING, CONVERTED, HF = "training", "converted", "hf"
 KIND_WORDS = {TRAINING: "training checkpoint", CONVERTED: "converted HF checkpoint", HF: "HF model directory"}
 ROPE_FIELDS = ("rotary_base", "rope_scaling", "max_position_embeddings")
@@ -54,14 +65,108 @@ def find_checkpoint(path: str | Path) -> Path | None:
         return path
     latest = path / LATEST
     if latest.is_file():
-        target = path / latest.read_text().strip()
+        target = latest_target(path)
+        if target is None:
+            raise CheckpointError(f"{latest} names {_latest_words(path)}, which is not a complete checkpoint")
+        return target
+    return None
+
+
+def _latest_text(root: Path) -> str:
+    return (root / LATEST).read_bytes().decode("utf-8", errors="replace").strip()
+
+
+def _latest_words(root: Path) -> str:
+    text = _latest_text(root)
+    return text if CHECKPOINT_NAME.match(text) else repr(text[:40])
+
+
+def latest_target(root: Path) -> Path | None:
+    """The complete checkpoint that `root/latest` names (its `.replaced` copy when killed while re-saving that
+    step), None when `latest` is missing or names none (garbage, a removed or incomplete checkpoint)."""
+    if not (root / LATEST).is_file():
+        return None
+    name = _latest_text(root)
+    if not CHECKPOINT_NAME.match(name):
+        return None
+    for target in (root / name, root / (name + ".replaced")):
         if (target / TRAIN_META).is_file():
             return target
-        replaced = target.with_name(target.name + ".replaced")  # killed while re-saving the step `latest` names
-        if (replaced / TRAIN_META).is_file():
-            return replaced
-        raise CheckpointError(f"{latest} names {target.name}, which is not a complete checkpoint")
     return None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints (iter_XXXXXXX holding train_state.json) of a run directory, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if CHECKPOINT_NAME.match(p.name) and (p / TRAIN_META).is_file()]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)), reverse=True)
+
+
+def resume_candidates(root: str | Path) -> tuple[list[Path], str | None]:
+    """(the complete checkpoints of run directory `root` in the order a resume tries them: the one `latest` names,
+    then the others newest first; one line when `root/latest` exists but names none of them, else None). Empty
+    without a `latest` file (nothing published: a fresh start)."""
+    root = Path(root)
+    if not (root / LATEST).is_file():
+        return [], None
+    target = latest_target(root)
+    others = [p for p in complete_checkpoints(root) if target is None or p.name != target.name.split(".")[0]]
+    if target is not None:
+        return [target, *others], None
+    return others, f"{root / LATEST} names {_latest_words(root)}, which is not a complete checkpoint"
+
+
+def crc32_file(path: Path) -> tuple[int, int]:
+    """(size in bytes, CRC-32) of the file at `path`, read in 8 MiB chunks."""
+    crc, size, buf = 0, 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)  # releases the GIL on large buffers
+            size += n
+    return size, crc
+
+
+def file_problem(ckpt: Path, rel: str, entry: dict) -> str | None:
+    """How file `rel` of checkpoint `ckpt` differs from its manifest entry ({"bytes", "crc32"}): one of
+    FILE_PROBLEMS, or None when it matches (the CRC-32 is read only when the size matches)."""
+    try:
+        size = (ckpt / rel).stat().st_size
+        if size != entry["bytes"]:
+            return "size"
+        return None if crc32_file(ckpt / rel)[1] == entry["crc32"] else "crc32"
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return "unreadable"
+
+
+FILE_PROBLEMS = ("missing", "unreadable", "size", "crc32")
+
+
+def describe_file_problem(ckpt: Path, rel: str, entry: dict, problem: str) -> str:
+    """One clause naming the file and what is wrong with it (`problem`: one of FILE_PROBLEMS)."""
+    path = ckpt / rel
+    if problem == "size":
+        try:
+            size = path.stat().st_size
+            return f"{path} has {size} bytes, its manifest records {entry['bytes']} (truncated or overwritten)"
+        except OSError:
+            problem = "missing"
+    if problem == "crc32":
+        return f"{path} has the size its manifest records but not its CRC-32 (damaged or altered)"
+    return f"{path} is missing" if problem == "missing" else f"{path} cannot be read"
+
+
+def read_manifest(ckpt: Path) -> dict | None:
+    """The checkpoint's manifest (None for one saved before manifests); ValueError when it is not a manifest."""
+    if not (ckpt / MANIFEST).is_file():
+        return None
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError("no \"files\" table")
+    return manifest
 
 
 def classify_source(path: str | Path, setting: str = "checkpoint.load") -> Source:
@@ -144,7 +249,11 @@ def _override(key: str, value: Any) -> str:
 def resumes_from_dir(config) -> bool:
     """Whether the run resumes from checkpoint.dir (which then takes precedence over checkpoint.load)."""
     c = config.checkpoint
-    return c.dir is not None and c.resume is not False and find_checkpoint(c.dir) is not None
+    if c.dir is None or c.resume is False:
+        return False
+    if (Path(c.dir) / TRAIN_META).is_file():
+        return True
+    return bool(resume_candidates(c.dir)[0])  # a `latest` that names nothing falls back to an older checkpoint
 
 
 def run_vocab_size(config, tokenizer_vocab: int | None) -> int | None:

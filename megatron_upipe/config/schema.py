@@ -232,13 +232,16 @@ class TrainConfig:
     eval_iters: int = 10  # global batches of the validation split per evaluation
     nan_policy: Literal["stop", "skip"] = "stop"  # on a non-finite loss/grad: stop the run or skip the step
     distributed_optimizer: bool = False  # shard optimizer state over dp x cp (ZeRO-1)
+    # Save and stop (exit 5) before a step that would end after this many minutes since training started (Megatron-LM's
+    # --exit-duration-in-mins); under Slurm the job's end time is honoured too (training/deadline.py). null = none.
+    exit_duration_mins: float | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
         decay = self.decay_steps
         _refuse([
             *_positive(self, "seq_length", "micro_batch_size", "global_batch_size", "steps", "lr", "lr_decay_steps",
-                       "adam_eps", "eval_iters"),
+                       "adam_eps", "eval_iters", "exit_duration_mins"),
             (self.seed < 0, f"train.seed={self.seed} must be >= 0"),
             (not 0 <= self.min_lr <= self.lr,
              f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]: lower train.min_lr"),
@@ -301,16 +304,29 @@ class CheckpointConfig:
     # With checkpoint.dir: save when the run reaches train.steps (unless that step was just saved). Never saving at
     # all: interval=0, save_final=false, save_on_signal=false (or checkpoint.dir=null).
     save_final: bool = True
-    # With checkpoint.dir: on SIGTERM or SIGUSR1 (pre-emption, Slurm's --signal=USR1@<seconds>) finish the step,
-    # save, and exit with code 5 (training/signals.py). false: the signals keep their default action (exit at once).
+    # With checkpoint.dir: on SIGTERM, SIGUSR1 (pre-emption, Slurm's --signal=USR1@<seconds>) or Ctrl-C finish the
+    # step, save, and exit with code 5 (training/signals.py). false: the signals keep their default action.
     save_on_signal: bool = True
     load: str | None = None  # initialise from this checkpoint when not resuming
     resume: bool | Literal["auto"] = "auto"  # auto = resume from dir if it holds a checkpoint; true = must
+    # With resume=false: a checkpoint.dir that already holds checkpoints is refused at start-up unless this is true;
+    # then the old checkpoints are removed once the new run has published its first one.
+    overwrite: bool = False
     keep_last: int | None = None  # keep only the newest N checkpoints; null = keep all
     # The LR schedule (lr, min_lr, warmup, decay steps and style) after loading a checkpoint: "checkpoint" keeps the
     # one saved in it (Megatron-LM's --use-checkpoint-opt_param-scheduler), "config" takes this config's
     # (--override-opt_param-scheduler), e.g. to decay over a raised train.steps. The run logs which is in effect.
     scheduler: Literal["checkpoint", "config"] = "checkpoint"
+    # Resuming from checkpoint.dir, each checkpoint is checked against the sizes and CRC-32s its manifest recorded at
+    # save, before any tensor is read. A mismatch (or a `latest` that names nothing): "fallback" resumes from the
+    # newest intact checkpoint instead, with a warning line naming the skipped one and why; "stop" refuses to start
+    # (exit 2), naming the corrupt file. A checkpoint saved before manifests loads unverified.
+    on_corrupt: Literal["fallback", "stop"] = "fallback"
+    # A save that fails (less free space than the checkpoint needs, or the writer fails, e.g. the disk fills up):
+    # nothing is published, the partial save is removed and `latest` keeps naming the previous checkpoint; "stop"
+    # then ends the run (exit 6), "continue" logs one warning line and trains on, trying again at the next
+    # checkpoint.interval. A failed final save, or save on a stop signal, always ends the run (exit 6).
+    on_save_error: Literal["stop", "continue"] = "stop"
 
     def __post_init__(self) -> None:
         _check_types(self)

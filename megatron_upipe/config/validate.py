@@ -3,10 +3,11 @@
 `validate(config, world_size)` is a pure function of its arguments, so every rank reaches the same verdict before
 any allocation or communication, and a login node can judge a GPU recipe. It reports every problem at once, each
 naming the setting(s) and the fix. It never changes the Config: derived values go into the Plan.
-`check_paths(config)` separately checks the files the config reads: they exist, data.tokenizer loads as a
-tokenizer, model.vocab_size holds its vocabulary, and a converted/HF checkpoint.load fits model.* and the vocabulary
-(run at start-up and by --dry-run). What this machine must have (CUDA, optional packages) is machine.py's
-`machine_problems`.
+`check_paths(config)` separately checks the files the config reads: they exist, data.path is a whole indexed dataset
+whose ids fit the vocabulary, data.tokenizer loads as a tokenizer, model.vocab_size holds its vocabulary, and a
+converted/HF checkpoint.load fits model.* and the vocabulary (run at start-up and by --dry-run); outputs.py's
+`check_outputs(config)` that every place the run writes can be written. What this machine must have (CUDA, optional
+packages) is machine.py's `machine_problems`.
 """
 
 from __future__ import annotations
@@ -278,6 +279,8 @@ def check_paths(config: Config) -> None:
             problems.append(f"data.path={d.path}: {' and '.join(d.path + ext for ext in absent)} not found: give the "
                             f"prefix tools/preprocess_data.py printed, or data.path=mock data.tokenizer=null "
                             f"model.vocab_size=N for synthetic data")
+        else:
+            problems += _dataset_problems(d.path, d.tokenizer, m.vocab_size)
     if d.tokenizer is not None:
         if not Path(d.tokenizer).exists():
             problems.append(f"data.tokenizer={d.tokenizer} does not exist: give {_TOKENIZER_KINDS}")
@@ -295,6 +298,18 @@ def check_paths(config: Config) -> None:
                         f"an existing run, or set checkpoint.resume=auto to start fresh")
     if problems:
         raise_all(problems, "the files this configuration reads:")
+
+
+def _dataset_problems(prefix: str, tokenizer: str | None, vocab_size: int | None) -> list[str]:
+    """The .bin/.idx pair is a whole indexed dataset with token ids inside the tokenizer's vocabulary, else
+    model.vocab_size (a cheap look: megatron_upipe/data/index_check.py)."""
+    from megatron_upipe.data.index_check import dataset_problem
+
+    problem = dataset_problem(prefix, _tokenizer_vocab(tokenizer) or vocab_size)
+    if problem is None:
+        return []
+    rebuild = "tools/preprocess_data.py" + (f" --tokenizer {tokenizer}" if tokenizer else "")
+    return [f"data.path={prefix}: {problem}: re-run {rebuild} to rebuild the pair"]
 
 
 def _tokenizer_vocab(spec: str | None) -> int | None:

@@ -199,8 +199,11 @@ def micro_batches(
     Deterministic: for a given dataset, the sequence from consumed_samples=k equals the sequence from 0 with its
     first k // (micro_batch_size*dp_size) micro-batches dropped, whatever `num_workers` is."""
     sampler = MicroBatchSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
+    # Its own generator: making the iterator draws the workers' base seed from it, not from torch's global RNG, so
+    # where the job makes it (before the model: training/data.py) changes neither the weights' initialisation nor
+    # anything else random. The datasets draw nothing at fetch time, so the seed has no other effect.
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
-        persistent_workers=False, pin_memory=False,
+        persistent_workers=False, pin_memory=False, generator=torch.Generator().manual_seed(0),
     )
     return iter(loader)

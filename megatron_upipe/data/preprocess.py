@@ -7,7 +7,8 @@ splitting (Megatron-LM's `--split-sentences`) is deliberately not offered: it on
 
 Workers: documents are grouped in chunks of `chunk_size`, a `multiprocessing.Pool` tokenizes them with
 `imap` (which keeps the input order), and the parent alone writes, so the output bytes do not depend on the
-worker count. Whitespace-only documents are skipped (counted in `PreprocessStats.skipped`).
+worker count. Whitespace-only documents are skipped (counted in `PreprocessStats.skipped`); an input without any
+other document is a ValueError and writes nothing.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def preprocess(config: PreprocessConfig) -> PreprocessStats:
                     documents += 1
                     tokens += len(ids)
                 bar.update(len(encoded))
+            if not documents:  # megatron-core would read an index without documents only at training time, and fail
+                raise ValueError(f"no documents in the input ({skipped} whitespace-only skipped): nothing written; "
+                                 f"check --input and --json-key")
         except BaseException:
             partial.unlink(missing_ok=True)  # a failed run leaves no half-written dataset (nor an old .idx beside it)
             raise

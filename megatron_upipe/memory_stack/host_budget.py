@@ -25,15 +25,30 @@ Per rank (`HostPlan.breakdown`):
 Per node: per rank x ranks on the node (every rank counted as pipeline stage 0, the one with the most in flight)
 + margin: os.
 
-Capacity: memory.host_mem_gib (per node). Unset: at start-up this machine's RAM (physical pages, or the cgroup's
-memory limit where lower); in the memory planner PLANNER_HOST_GIB (a DGX H100/H200 node's 2 TiB).
+Capacity in the memory planner: memory.host_mem_gib (per node), unset PLANNER_HOST_GIB (a DGX H100/H200 node's 2 TiB
+nominal; USABLE_HOST_GIB is the stated usable figure, not yet the default).
+
+At start-up (`host_memory_refusal`, every rank, before the model or the pinned pool exists) each node compares what
+it can still give the job, read from /proc and /sys (`read_node_memory`, under a root path tests replace):
+  usable  the least of MemAvailable (/proc/meminfo), the room left in the job's memory cgroup (v2 memory.max, v1
+          memory.limit_in_bytes, over its cgroup and every ancestor: limit - (usage - its file pages), since the
+          page cache charged to it is reclaimed before the limit bites) and memory.host_mem_gib if set;
+          it already excludes what the starting ranks hold (a few GiB each, which the process margin counts again)
+with the plan of its LOCAL_WORLD_SIZE ranks (+ margin: os), and per NUMA node the ranks whose GPU sits there (the
+GPU's node from /sys/bus/pci/devices/<bus id>/numa_node; local rank r runs on CUDA device r) with that node's free
+and reclaimable memory (/sys/devices/system/node/nodeN/meminfo: MemFree + file pages + SReclaimable; MemTotal
+named beside it). Pages are placed by first touch, so the per-socket figure holds for ranks bound to their GPU's
+socket (numactl, torchrun's NUMA binding). Where a GPU's node is unknown (no CUDA device, fewer visible devices than
+local ranks, numa_node -1 on a two-socket machine) the per-socket check is skipped and the start-up line says so.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_upipe.memory_stack.pinned_pool import aligned
@@ -43,6 +58,13 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 PLANNER_HOST_GIB = 2048.0  # host RAM per node the planner assumes when memory.host_mem_gib is unset (DGX H100/H200)
+# What a job can use of a DGX H100/H200 node's 2 TB DDR5 (NVIDIA DGX BasePOD reference architecture: 2,048 GiB
+# nominal): firmware and kernel reservations come off MemTotal; the kernel, page tables, the GPU and fabric daemons
+# and file-system clients come off what is available. Stated, not measured (no such node here): 1,900 GiB, +-60 GiB
+# (the file-system clients' caches vary most between sites). Not the planner's default yet: the recipe tables are
+# planned against PLANNER_HOST_GIB and are to be re-planned against this figure; the start-up check reads the node.
+USABLE_HOST_GIB = 1900.0
+USABLE_HOST_GIB_UNCERTAINTY = 60.0
 PLANNER_RANKS_PER_NODE = 8  # GPUs per node the planner assumes (DGX/HGX H100, H200, B200)
 
 
@@ -62,18 +84,120 @@ class HostMargins:
         return max(self.os_min_bytes, int(host_mem_bytes * self.os_fraction))
 
 
-def machine_host_bytes() -> int:
-    """This machine's RAM: physical pages, or the cgroup (v2, then v1) memory limit where that is lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as 2^63 rounded down to a page
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """What this node can still give the job (bytes), read at start-up by `read_node_memory`."""
+
+    mem_available: int  # /proc/meminfo MemAvailable
+    cgroup_room: int | None = None  # the job's memory cgroup: the least room over it and its ancestors; None: no limit
+    numa: dict[int, tuple[int, int]] = field(default_factory=dict)  # NUMA node -> (free + reclaimable, MemTotal)
+
+    def usable(self, host_mem_gib: float | None = None) -> tuple[int, str]:
+        """The least of MemAvailable, the cgroup's room and memory.host_mem_gib, and what it was the least of."""
+        figures = [(self.mem_available, f"MemAvailable {self.mem_available / GIB:.1f} GiB")]
+        if self.cgroup_room is not None:
+            figures.append((self.cgroup_room, f"the job's cgroup room {self.cgroup_room / GIB:.1f} GiB"))
+        if host_mem_gib is not None:
+            figures.append((int(host_mem_gib * GIB), f"memory.host_mem_gib={host_mem_gib:g}"))
+        least = min(n for n, _ in figures)
+        return least, "usable now: the least of " + ", ".join(w for _, w in figures)
+
+
+def _meminfo(path: Path) -> dict[str, int]:
+    """A meminfo file (/proc/meminfo, or a NUMA node's with its "Node N " prefix) as bytes by field name."""
+    out = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"(?:Node \d+ )?([\w()]+):\s+(\d+)(?: kB)?", line)
+        if m:
+            out[m[1]] = int(m[2]) * (1024 if line.rstrip().endswith("kB") else 1)
+    return out
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (v2): no limit
+
+
+def _cgroup_room(root: Path) -> int | None:
+    """The least room (limit - (usage - file pages)) over this process's memory cgroup and its ancestors, v1 or v2;
+    None where no level has a limit or the cgroup cannot be read."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    entries = [line.split(":", 2) for line in lines if line.count(":") >= 2]
+    v1 = next((path for _, ctl, path in entries if "memory" in ctl.split(",")), None)
+    if v1 is not None:
+        base, rel, names = root / "sys/fs/cgroup/memory", v1, ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                                "total_active_file", "total_inactive_file")
+    else:
+        rel = next((path for hier, ctl, path in entries if hier == "0" and ctl == ""), None)
+        if rel is None:
+            return None
+        base, names = root / "sys/fs/cgroup", ("memory.max", "memory.current", "active_file", "inactive_file")
+    room = None
+    here = base / rel.lstrip("/")  # in a cgroup namespace the mount is our own cgroup: the path is not under it
+    while True:
+        limit, usage = _read_int(here / names[0]), _read_int(here / names[1])
+        if limit is not None and limit < UNLIMITED and usage is not None:
+            stat = {}
+            if (here / "memory.stat").exists():
+                stat = dict(ln.split() for ln in (here / "memory.stat").read_text().splitlines() if ln.count(" ") == 1)
+            file_pages = sum(int(stat.get(k, 0)) for k in names[2:])
+            level = max(limit - max(usage - file_pages, 0), 0)
+            room = level if room is None else min(room, level)
+        if here == base or base not in here.parents:
+            return room
+        here = here.parent
+
+
+def read_node_memory(root: Path = Path("/")) -> NodeMemory:
+    """MemAvailable, the cgroup's room and each NUMA node's free + reclaimable memory and MemTotal, read from
+    /proc and /sys under `root` (tests pass a directory of fake files)."""
+    info = _meminfo(root / "proc/meminfo")
+    numa = {}
+    for d in sorted((root / "sys/devices/system/node").glob("node[0-9]*")):
+        if (d / "meminfo").exists():
+            m = _meminfo(d / "meminfo")
+            free = m.get("MemFree", 0) + m.get("Active(file)", 0) + m.get("Inactive(file)", 0) + m.get(
+                "SReclaimable", 0)
+            numa[int(d.name[4:])] = (min(free, m.get("MemTotal", free)), m.get("MemTotal", 0))
+    return NodeMemory(info.get("MemAvailable", info.get("MemFree", 0)), _cgroup_room(root), numa)
+
+
+def gpu_numa_nodes(bus_ids: list[str] | None, numa_nodes: int, root: Path = Path("/")) -> list[int] | str:
+    """The NUMA node of each local rank's GPU (PCI bus ids "0000:18:00.0", local rank order), or why unknown."""
+    if not bus_ids:
+        return "no CUDA device"
+    out = []
+    for bus in bus_ids:
+        node = _read_int(root / "sys/bus/pci/devices" / bus.lower() / "numa_node")  # -1 reads as None
+        if node is None:
+            if numa_nodes > 1:
+                return f"GPU {bus} reports no NUMA node"
+            node = 0
+        out.append(node)
+    return out
+
+
+def local_gpu_bus_ids(local_ranks: int) -> list[str] | None:
+    """The PCI bus ids of CUDA devices 0..local_ranks-1 (local rank r runs on device r: training/setup.py), or None
+    without CUDA or with fewer visible devices than local ranks."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < local_ranks:
+        return None
+    ids = []
+    for i in range(local_ranks):
+        p = torch.cuda.get_device_properties(i)
+        ids.append(f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")  # sysfs form, as torch.numa
+    return ids
 
 
 def ranks_on_this_node(world_size: int) -> int:
@@ -186,35 +310,88 @@ def plan_host_memory(config: "Config", plan: "Plan", vocab_size: int, *, bf16: b
                      ranks_per_node: int, host_mem_bytes: int | None = None, capacity_source: str | None = None,
                      margins: HostMargins = HostMargins()) -> HostPlan:
     """The host plan of `config` (every rank counted as pipeline stage 0). Capacity: memory.host_mem_gib if set,
-    else `host_mem_bytes` (the caller's default: this machine's RAM at start-up, PLANNER_HOST_GIB in the planner)."""
+    else `host_mem_bytes` (PLANNER_HOST_GIB in the planner), else what this machine can give now
+    (`read_node_memory`). The start-up check passes its usable figure as `host_mem_bytes` with a config whose
+    host_mem_gib it has already folded in (`startup_host_plan`)."""
     width = 2 if bf16 else 4
     if config.memory.host_mem_gib is not None:
         capacity, source = int(config.memory.host_mem_gib * GIB), f"memory.host_mem_gib={config.memory.host_mem_gib:g}"
+    elif host_mem_bytes is None:
+        capacity, source = read_node_memory().usable()
     else:
-        capacity = machine_host_bytes() if host_mem_bytes is None else host_mem_bytes
-        source = capacity_source or ("this machine's RAM; memory.host_mem_gib unset" if host_mem_bytes is None
-                                     else "memory.host_mem_gib unset")
+        capacity, source = host_mem_bytes, capacity_source or "memory.host_mem_gib unset"
     return HostPlan(offload_pool_bytes(config, plan, width), checkpoint_staging_bytes(config, plan, vocab_size, width),
                     margins.process_bytes(cuda), ranks_per_node, margins.os_bytes(capacity), capacity, source)
 
 
+def startup_host_plan(config: "Config", plan: "Plan", vocab_size: int, node: NodeMemory, *, bf16: bool, cuda: bool,
+                      ranks_per_node: int) -> HostPlan:
+    """The host plan of this node's ranks against what the node can give now (`NodeMemory.usable`)."""
+    import dataclasses
+
+    usable, source = node.usable(config.memory.host_mem_gib)
+    unset = dataclasses.replace(config, memory=dataclasses.replace(config.memory, host_mem_gib=None))
+    return plan_host_memory(unset, plan, vocab_size, bf16=bf16, cuda=cuda, ranks_per_node=ranks_per_node,
+                            host_mem_bytes=usable, capacity_source=source)
+
+
+FIX = ("shorten train.seq_length, spread the job over more nodes (fewer ranks per node, a larger parallel.cp), or set "
+       "memory.offload_checkpoints=false (checkpoint.dir unset removes the staging)")
+
+
+def node_verdict(host: HostPlan, node: NodeMemory, gpu_nodes: list[int] | str) -> tuple[str | None, str]:
+    """(the one-line refusal, or None when this node's plan fits as a whole and per NUMA node; the start-up line).
+    `gpu_nodes`: each local rank's GPU's NUMA node (`gpu_numa_nodes`), or why they are unknown."""
+    if not host.fits:
+        return (f"host memory does not fit on this node: {host.summary()}: free memory on the node, or " + FIX,
+                f"host memory check: {host.summary()}")
+    if isinstance(gpu_nodes, str):
+        return None, (f"host memory check: {host.summary()}; per NUMA node not checked: GPUs' NUMA nodes unknown "
+                      f"({gpu_nodes})")
+    per_socket = []
+    for n in sorted(set(gpu_nodes)):
+        ranks = [r for r, g in enumerate(gpu_nodes) if g == n]
+        need = len(ranks) * host.per_rank_bytes
+        have, total = node.numa.get(n, (None, None))
+        if have is None:
+            per_socket.append(f"node {n}: {len(ranks)} ranks, its memory unknown (not checked)")
+            continue
+        per_socket.append(f"node {n}: {len(ranks)} ranks {need / GIB:.1f} of {have / GIB:.1f} GiB")
+        if need > have:
+            return (f"host memory does not fit on NUMA node {n}: its {len(ranks)} ranks (local ranks {ranks}, whose "
+                    f"GPUs sit there) plan {need / GIB:.1f} GiB ({host.per_rank_bytes / GIB:.1f} each) but it has "
+                    f"{have / GIB:.1f} GiB free or reclaimable (MemTotal {total / GIB:.1f} GiB), and the rest would be "
+                    f"placed on the other socket: free memory there, or " + FIX,
+                    f"host memory check: {host.summary()}")
+    return None, f"host memory check: {host.summary()}; per NUMA node (free + reclaimable): {', '.join(per_socket)}"
+
+
 def host_memory_refusal(config: "Config", plan: "Plan", vocab_size: int, *, bf16: bool, device,
-                        world_size: int) -> str | None:
-    """The start-up check (every rank, before the model or the pool is allocated): None when the host plan fits on
-    every node, else the one-line error. One all-reduce, so every rank reaches the same verdict."""
+                        world_size: int, notes: list | None = None, root: Path = Path("/")) -> str | None:
+    """The start-up check (every rank, before the model or the pinned pool is allocated): None when the host plan
+    fits on every node (as a whole and per NUMA node), else the one-line error; the start-up line goes to `notes`.
+    One all-reduce, so every rank reaches the same verdict. `root`: where /proc and /sys are read (tests)."""
     import torch
     import torch.distributed as dist
 
-    host = plan_host_memory(config, plan, vocab_size, bf16=bf16, cuda=device.type == "cuda",
-                            ranks_per_node=ranks_on_this_node(world_size))
-    everywhere = host.fits
+    cuda = device.type == "cuda"
+    local = ranks_on_this_node(world_size)
+    node = read_node_memory(root)
+    host = startup_host_plan(config, plan, vocab_size, node, bf16=bf16, cuda=cuda, ranks_per_node=local)
+    gpus = gpu_numa_nodes(local_gpu_bus_ids(local) if cuda else None, len(node.numa), root)
+    if cuda and isinstance(gpus, str) and gpus == "no CUDA device":
+        gpus = f"fewer visible CUDA devices than the {local} local ranks"
+    refusal, line = node_verdict(host, node, gpus)
+    if notes is not None:
+        notes.append(line)
+    everywhere = refusal is None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([int(host.fits)], dtype=torch.int32, device=device)
+        flag = torch.tensor([int(refusal is None)], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         everywhere = bool(flag.item())
     if everywhere:
         return None
-    if host.fits:
-        return (f"host memory does not fit on another node (its ranks say why; here: {host.summary()}): set "
-                f"memory.host_mem_gib to the smallest node's RAM and follow the fix there")
-    return host.refusal()
+    if refusal is None:
+        return (f"host memory does not fit on another node (its ranks say why; here: {host.summary()}): free memory "
+                f"there, or " + FIX)
+    return refusal

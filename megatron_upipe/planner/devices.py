@@ -11,8 +11,10 @@ Margins are memory the step's tracked tensors do not include, each named in the 
 - NCCL communicator buffers, which depend on the topology (`NCCL_TOPOLOGIES`): per connected peer and channel
   NCCL keeps its protocol buffers (NCCL_BUFFSIZE, 4 MiB by default, plus LL/LL128), for every communicator the
   job uses (cp, dp, dp x cp, tp, pp); NVLink SHARP (NVLS) on NVSwitch systems adds multicast buffers that public
-  reports put at 1.6-6 GB. The recipes set NCCL_NVLS_ENABLE=0 (all-to-all never uses NVLS), so the default
-  topologies assume NVLS off; `nvswitch-nvls` is the conservative figure for a job that leaves it on;
+  reports put at 1.6-6 GB. The training job sets NCCL_NVLS_ENABLE=0 unless the user set it (all-to-all never
+  uses NVLS; training/node_env.py), so the default topologies assume NVLS off; `nvswitch-nvls` is the
+  conservative figure for a job that runs with it on, and the job's planner runs (the start-up U choice,
+  memory.plan_check) take it when the environment turns NVLS on (`topology_for(..., nvls=True)`);
 - allocator fragmentation: a fraction of the live peak (expandable_segments keeps it small).
 
 These are stated margins with their uncertainty, not measurements. `tools/gpu_check.sh` measures the CUDA context
@@ -90,8 +92,12 @@ class Margins:
                 "margin: cuda context": self.cuda_context_bytes, "margin: nccl": self.nccl_bytes}
 
 
-def topology_for(world_size: int, gpus_per_node: int = 8) -> str:
-    """The default NCCL topology of a job: one NVSwitch node, or several joined by InfiniBand."""
+def topology_for(world_size: int, gpus_per_node: int = 8, nvls: bool = False) -> str:
+    """The default NCCL topology of a job: one NVSwitch node, or several joined by InfiniBand, with NVLS off; with
+    `nvls` (the job runs with NCCL_NVLS_ENABLE on: training/node_env.py `nvls_on`) the NVLS margin, on any number
+    of nodes (its upper figure is the largest margin stated here)."""
+    if nvls:
+        return "nvswitch-nvls"
     return "nvswitch" if world_size <= gpus_per_node else "nvswitch-ib"
 
 

@@ -5,7 +5,8 @@ Every rank runs it before the process group exists, on the same config and world
 same U without a collective. The planner runs in a subprocess (tools/estimate_memory.py on the config written out
 as YAML, as training/memory_check.py does: the planner builds its own fake process group) with no GPU visible and
 one simulation at a time. The device it plans against is `memory.plan_gpu`: "local" is this rank's GPU as it
-reports its total (torch.cuda.get_device_properties), passed on as usable GiB. With nothing to plan against
+reports its total (torch.cuda.get_device_properties), passed on as usable GiB; the NCCL margin is the one of the
+NVLS setting the job runs with (pretrain_llama.py sets NCCL_NVLS_ENABLE before this runs). With nothing to plan against
 (memory.plan_gpu=local on a machine without a GPU) an unset U is the smallest legal one (the least attention
 memory), said in one line; an explicit `auto` is refused there instead.
 """
@@ -20,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 from megatron_upipe.config import Config, ConfigError, load_config, to_yaml, validate
+from megatron_upipe.planner.devices import topology_for
+from megatron_upipe.training.node_env import nvls_on
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,21 +54,26 @@ def plan_gpu_spec(config: Config) -> str:
     return f"{props.total_memory / 2**30:.4f}"
 
 
-def resolve_auto_heads(config: Config, world_size: int, timeout_s: float = 1800.0) -> tuple[Config, str]:
+def resolve_auto_heads(config: Config, world_size: int, timeout_s: float = 1800.0,
+                       nvls: bool | None = None) -> tuple[Config, str]:
     """`config` with upipe_heads_per_stage auto (or unset: `plans_heads`) replaced by the planner's U, and the
-    one-line reason; ConfigError (the planner's own message) when no legal U fits."""
+    one-line reason; ConfigError (the planner's own message) when no legal U fits. `nvls`: whether the job runs
+    with NCCL's NVLS on (the planner's NCCL margin follows it); None reads it from this process's environment
+    (training/node_env.py `nvls_on`)."""
     if config.parallel.upipe_heads_per_stage is None and _nothing_to_plan_against(config):
         U = validate(config, world_size).heads_per_stage  # unset: the smallest legal
         return config, (f"parallel.upipe_heads_per_stage unset -> U={U}, the smallest legal (the least attention "
                         f"memory): no GPU here to plan against (memory.plan_gpu=local); set memory.plan_gpu to let "
                         f"the memory planner choose, or set the U")
     gpu = plan_gpu_spec(config)
+    topology = topology_for(world_size, nvls=nvls_on(os.environ) if nvls is None else nvls)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, out = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
         cfg.write_text(to_yaml(config))
         proc = subprocess.run(  # unset U: the planner chooses as for auto
             [sys.executable, str(REPO / "tools" / "estimate_memory.py"), "--config", str(cfg), "--world-size",
-             str(world_size), "--gpu", gpu, "--jobs", "1", "--json", str(out), "parallel.upipe_heads_per_stage=auto"],
+             str(world_size), "--gpu", gpu, "--nccl-topology", topology, "--jobs", "1", "--json", str(out),
+             "parallel.upipe_heads_per_stage=auto"],
             capture_output=True, text=True, timeout=timeout_s,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
         )

@@ -1,9 +1,10 @@
 """Everything one run needs, built once and held in a `TrainState` that the loop and checkpointing share.
 
-Order: tokenizer -> where the weights come from (checkpoint.dir's latest, else checkpoint.load) -> model (this
-pipeline stage, the UPipe/Ulysses spec from parallel.cp_strategy) -> initial weights when checkpoint.load is a
-converted HF checkpoint or an HF directory -> DDP or Megatron-FSDP -> optimizer and schedule -> datasets -> resume
-from a training checkpoint -> metrics sinks.
+Order: tokenizer -> where the weights come from (checkpoint.dir's latest, else checkpoint.load) -> the host memory
+check -> datasets and the training iterator (its DataLoader workers fork here, before anything is pinned: data.py)
+-> model (this pipeline stage, the UPipe/Ulysses spec from parallel.cp_strategy; the offloader's pinned pool) ->
+initial weights when checkpoint.load is a converted HF checkpoint or an HF directory -> DDP or Megatron-FSDP ->
+optimizer and schedule -> resume from a training checkpoint -> metrics sinks.
 
 checkpoint.load of a converted checkpoint (tools/convert_hf_llama.py hf-to-mcore) or of an HF directory loads
 weights only, into the plain GPTModel right after it is built and before it is wrapped (so every layout and both
@@ -28,7 +29,9 @@ from megatron_upipe.memory_stack.offload import HostOffloader
 from megatron_upipe.models.llama import LlamaStage, build_llama, llama_transformer_config
 from megatron_upipe.models.presets import LlamaArch
 from megatron_upipe.training import checkpointing
-from megatron_upipe.training.data import RunData, build_run_data, build_run_tokenizer, model_vocab_size
+from megatron_upipe.training.checkpoint_guard import superseded_checkpoints
+from megatron_upipe.training.data import (RunData, build_run_data, build_run_tokenizer, model_vocab_size,
+                                          start_train_batches)
 from megatron_upipe.training.metrics import MetricsLogger, NullLogger, model_flops_per_token
 from megatron_upipe.training.optim import (UnsupportedOnThisMachine, build_optimizer, check_distributed_optimizer,
                                            wrap_model)
@@ -52,6 +55,8 @@ class TrainState:
     resumed_from: Path | None = None
     last_saved_step: int | None = None
     notes: list[str] = field(default_factory=list)  # start-up lines for the log (weights loaded, RoPE changed)
+    # checkpoint.overwrite=true: the old run's checkpoints in checkpoint.dir, removed after this run's first save
+    superseded: list[str] = field(default_factory=list)
 
     @property
     def model(self):
@@ -81,7 +86,7 @@ def resume_source(config: Config) -> Source | None:
     converted HF checkpoint or an HF directory), else None (fresh start)."""
     c = config.checkpoint
     if c.dir is not None and c.resume is not False:
-        found = checkpointing.find_checkpoint(c.dir)
+        found = checkpointing.resume_checkpoint(c.dir)  # every rank: verified, past corrupt checkpoints
         if found is not None:
             return Source(TRAINING, found)
         if c.resume is True:
@@ -152,9 +157,11 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
     if source is not None and source.kind != TRAINING:  # before anything is allocated
         notes.append(check_initial_weights(source, config, vocab))
     refusal = host_memory_refusal(config, plan, vocab, bf16=use_bf16(config), device=groups.device,
-                                  world_size=groups.world_size)
+                                  world_size=groups.world_size, notes=notes)
     if refusal is not None:  # before the model and the host pool are allocated
         raise UnsupportedOnThisMachine(refusal)
+    resumed = checkpointing.read_meta(source.path)["consumed_samples"] if source and source.kind == TRAINING else 0
+    batches = start_train_batches(config, plan, tokenizer, groups.pg, resumed)  # data workers fork before pinning
     stage = build_stage(config, plan, groups, vocab)
     if source is not None and source.kind != TRAINING:  # weights only, into the unwrapped model
         load_initial_weights(stage, source, groups.pg)
@@ -162,9 +169,13 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
     ddp = wrap_model(stage.model, stage.config, config)
     optimizer, scheduler = build_optimizer(ddp, stage.config, config)
     data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device,
-                          stage.plan.cp_ring)
+                          stage.plan.cp_ring, batches)
     state = TrainState(config, plan, groups, tokenizer, stage, ddp, optimizer, scheduler, data)
     state.notes += [n for n in notes if n is not None]
+    state.superseded = superseded_checkpoints(config)
+    if state.superseded:
+        state.notes.append(f"checkpoint.overwrite=true: {len(state.superseded)} checkpoint(s) of an earlier run in "
+                           f"{config.checkpoint.dir} are removed once this run's first checkpoint is saved")
     if source is not None and source.kind == TRAINING:
         meta = checkpointing.load_checkpoint(state, source.path)
         state.step, state.consumed_samples, state.resumed_from = meta["step"], meta["consumed_samples"], source.path

@@ -10,6 +10,12 @@ Sample counts: train = train.steps x global batch, read in an order that does no
 epoch), so a run extended by raising train.steps reads the same samples for the steps the shorter run planned;
 valid = train.eval_iters x global batch, and every evaluation reads the same first eval_iters global batches of the
 validation split (comparable eval losses, and nothing to resume). The index cache goes to `cache_dir(config)`.
+
+No fork after pinning: with data.num_workers > 0 the DataLoader forks its worker processes when its iterator is
+made. build_state makes the training iterator (`start_train_batches`, from the resumed sample count) before the
+model and the offloader's pinned host pool exist, and the loop takes that one (`RunData.train_iterator`): a fork
+from a rank holding a pinned pool of hundreds of GiB copies its page tables into every worker, and the kernel may
+copy DMA-pinned pages into the child outright. The validation iterator loads in the training process (no workers).
 """
 
 from __future__ import annotations
@@ -53,6 +59,17 @@ def cache_dir(config: Config) -> Path:
 
 
 @dataclass
+class StartedBatches:
+    """The datasets and the training micro-batches' iterator from `consumed_samples`, made before anything is pinned
+    (the module docstring): its DataLoader workers, if any, already run."""
+
+    train: object
+    valid: object | None
+    consumed_samples: int
+    iterator: Iterator[dict]
+
+
+@dataclass
 class RunData:
     train: object
     valid: object | None
@@ -65,10 +82,18 @@ class RunData:
     device: torch.device = torch.device("cpu")  # where the model runs
     document_mask: bool = False  # data.document_mask: add each sample's cu_seqlens (micro-batch 1)
     cp_ring: int = 1  # parallel.cp_ring: the contiguous split is zigzag over a ring of that many a2a groups
+    started: StartedBatches | None = None  # the training iterator made before the pinned pool (build_state)
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
-        return self._split(micro_batches(self.train, self.micro_batch_size, self.dp_rank, self.dp_size,
-                                         consumed_samples, self.num_workers))
+        """The started iterator (once) when there is one, else a new one (tests and tools that pin nothing)."""
+        started, self.started = self.started, None
+        if started is None:
+            return self._split(micro_batches(self.train, self.micro_batch_size, self.dp_rank, self.dp_size,
+                                             consumed_samples, self.num_workers))
+        if started.consumed_samples != consumed_samples:
+            raise RuntimeError(f"the training batches were started at sample {started.consumed_samples} but the run "
+                               f"resumes at {consumed_samples}: a new iterator now would fork after pinning")
+        return self._split(started.iterator)
 
     def valid_iterator(self) -> Iterator[dict]:
         return self._split(micro_batches(self.valid, self.micro_batch_size, self.dp_rank, self.dp_size, 0))
@@ -104,8 +129,20 @@ def build_run_datasets(config: Config, plan: Plan, tokenizer: Tokenizer) -> tupl
     return EpochOrder(sets.train, t.steps * plan.global_batch_size, t.seed), sets.valid
 
 
-def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str,
-                   device: torch.device = torch.device("cpu"), cp_ring: int = 1) -> RunData:
+def start_train_batches(config: Config, plan: Plan, tokenizer: Tokenizer, pg,
+                        consumed_samples: int) -> StartedBatches:
+    """The datasets and the training iterator from `consumed_samples`: its workers are forked now (call it before
+    anything is pinned)."""
     train, valid = build_run_datasets(config, plan, tokenizer)
+    it = micro_batches(train, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), consumed_samples,
+                       config.data.num_workers)
+    return StartedBatches(train, valid, consumed_samples, it)
+
+
+def build_run_data(config: Config, plan: Plan, tokenizer: Tokenizer, pg, split: str,
+                   device: torch.device = torch.device("cpu"), cp_ring: int = 1,
+                   started: StartedBatches | None = None) -> RunData:
+    """The run's data; `started`: its datasets and training iterator, made earlier by `start_train_batches`."""
+    train, valid = (started.train, started.valid) if started else build_run_datasets(config, plan, tokenizer)
     return RunData(train, valid, plan.micro_batch_size, pg.dp.rank(), pg.dp.size(), split, pg.cp,
-                   config.data.num_workers, device, config.data.document_mask, cp_ring)
+                   config.data.num_workers, device, config.data.document_mask, cp_ring, started)

@@ -27,6 +27,7 @@ from megatron_upipe.training.failures import as_distributed_failure, check_step
 from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step_record
 from megatron_upipe.training.optim import current_lr
 from megatron_upipe.training.schedule import schedule_line
+from megatron_upipe.training import deadline
 from megatron_upipe.training.signals import StopOnSignal, StoppedBySignal
 
 
@@ -90,10 +91,28 @@ def evaluate(state) -> dict:
     return {"step": state.step, "loss": sums[0] / max(sums[1], 1), "tokens": sums[1]}
 
 
-def _save(state):
-    c = state.config.checkpoint
-    path = checkpointing.save_checkpoint(state, c.dir, keep_last=c.keep_last)
+def _save(state, may_continue: bool = True) -> Path | None:
+    """Save this step (every rank). A save that fails (checkpointing.SaveFailed, the same on every rank: too little
+    free space or a writer error; nothing published, `latest` unchanged) is raised (pretrain_llama.py exits 6), or,
+    with checkpoint.on_save_error=continue, logged in one warning line and training goes on (None; the next interval
+    tries again), except for the final save and a save before a stop (`may_continue=False`), which always raise."""
+    c, steps = state.config.checkpoint, state.config.train.steps
+    try:
+        path = checkpointing.save_checkpoint(state, c.dir, keep_last=c.keep_last)
+    except checkpointing.SaveFailed as e:
+        if not may_continue or c.on_save_error != "continue" or state.step >= steps:
+            raise
+        retry = (state.step // c.interval + 1) * c.interval if c.interval > 0 else steps
+        retry = retry if retry < steps else steps if c.save_final else None
+        state.logger.message(f"warning: step {state.step}: {e}; training goes on (checkpoint.on_save_error="
+                             f"continue), " + (f"the next save is tried at step {retry}" if retry is not None else
+                                               "no later save is scheduled"))
+        return None
     state.last_saved_step = state.step
+    if state.superseded:  # checkpoint.overwrite=true: the earlier run's checkpoints go once this one is published
+        if state.groups.rank == 0:
+            checkpointing.remove_checkpoints(Path(c.dir), [n for n in state.superseded if n != path.name])
+        state.superseded = []
     state.logger.checkpoint(state.step, path)
     return path
 
@@ -101,14 +120,48 @@ def _save(state):
 def _stop(state, signum: int) -> None:
     """Every rank agreed on a stop signal after this step: save it (unless just saved) and raise StoppedBySignal."""
     c = state.config.checkpoint
-    path = _save(state) if state.last_saved_step != state.step else Path(c.dir) / checkpointing.checkpoint_name(
-        state.step)
+    if c.dir is None:  # a deadline without checkpoint.dir: nothing to save into
+        path = None
+    elif state.last_saved_step != state.step:
+        path = _save(state, may_continue=False)
+    else:
+        path = Path(c.dir) / checkpointing.checkpoint_name(state.step)
     raise StoppedBySignal(signum, state.step, state.config.train.steps, path)
+
+
+def _predicted_step_s(predicted: dict | None, device: torch.device) -> float | None:
+    """The step-time model's seconds per step from the start-up plan, on the GPU it was made for (an H100: the
+    planner's default GPU); None elsewhere (CPU runs, other GPUs)."""
+    if predicted is None or "step_time" not in predicted or device.type != "cuda":
+        return None
+    return predicted["step_time"]["seconds"] if "h100" in torch.cuda.get_device_name(device).lower() else None
+
+
+def _job_deadline(state, predicted: dict | None) -> deadline.Deadline | None:
+    """Rank 0 reads the job's deadline (training/deadline.py) and refuses a start that cannot save one step; every
+    rank gets both through one broadcast (a collective)."""
+    box = [None, None]
+    if state.groups.rank == 0:
+        at = deadline.job_deadline(state.config.train.exit_duration_mins, deadline.now())
+        if at is not None:
+            d = deadline.Deadline(at, _predicted_step_s(predicted, state.groups.device))
+            box = [d, d.start_refusal(deadline.now())]
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise deadline.DeadlineTooShort(box[1])
+    return box[0]
+
+
+def _agreed(flag: bool, device: torch.device) -> bool:
+    """Whether any rank says `flag` (one all-reduce)."""
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def run(state) -> None:
     """Train from state.step to train.steps with evaluation, metrics and checkpoints; with checkpoint.dir and
-    checkpoint.save_on_signal, SIGTERM / SIGUSR1 stop it at a step boundary with a checkpoint (signals.py)."""
+    checkpoint.save_on_signal, SIGTERM / SIGUSR1 / SIGINT stop it at a step boundary with a checkpoint (signals.py)."""
     c = state.config.checkpoint
     stop = StopOnSignal() if c.dir is not None and c.save_on_signal else None
     try:
@@ -144,6 +197,9 @@ def _run(state, stop: StopOnSignal | None = None) -> None:
         predicted = memory_check.predict(to_yaml(cfg), groups.world_size)
         if predicted is not None:
             log.message(memory_check.prediction_line(predicted))
+    limit = _job_deadline(state, predicted)
+    if limit is not None:
+        log.message(limit.line(deadline.now()))
     data_iterator = state.data.train_iterator(state.consumed_samples)
     while state.step < t.steps:
         start = time.perf_counter()
@@ -157,6 +213,8 @@ def _run(state, stop: StopOnSignal | None = None) -> None:
             log.message(memory_check.comparison_line(record))
         state.consumed_samples += plan.global_batch_size
         seconds = time.perf_counter() - start
+        if limit is not None:
+            limit.step_s.append(seconds)
         mem, mem_kind = peak_memory(groups.device)
         mem_t = torch.tensor([mem], dtype=torch.int64, device=groups.device)
         dist.all_reduce(mem_t, op=dist.ReduceOp.MAX)
@@ -167,7 +225,12 @@ def _run(state, stop: StopOnSignal | None = None) -> None:
         if t.eval_interval > 0 and (state.step % t.eval_interval == 0 or final):
             log.log(evaluate(state), kind="eval")
         if c.dir is not None and ((c.interval > 0 and state.step % c.interval == 0) or (final and c.save_final)):
+            save_start = time.perf_counter()
             _save(state)
+            if limit is not None:
+                limit.save_s.append(time.perf_counter() - save_start)
         if stop is not None and not final and (signum := stop.agreed(groups.device)):
             _stop(state, signum)
+        if limit is not None and not final and _agreed(limit.must_stop(deadline.now()), groups.device):
+            _stop(state, 0)  # another step and its save would pass the deadline: save this one and stop
     log.summary()

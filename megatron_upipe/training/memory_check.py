@@ -22,19 +22,23 @@ from pathlib import Path
 
 import torch
 
+from megatron_upipe.planner.devices import topology_for
 from megatron_upipe.training.metrics import memory_label
+from megatron_upipe.training.node_env import nvls_on
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def predict(config_yaml: str, world_size: int, timeout_s: float = 900.0) -> dict | None:
-    """The planner's estimate of this config (None if it failed; the reason goes to stderr)."""
+def predict(config_yaml: str, world_size: int, timeout_s: float = 900.0, nvls: bool | None = None) -> dict | None:
+    """The planner's estimate of this config (None if it failed; the reason goes to stderr). Its NCCL margin follows
+    `nvls`, NCCL's NVLS setting of the job (None: this process's environment, which the job has set by now)."""
+    topology = topology_for(world_size, nvls=nvls_on(os.environ) if nvls is None else nvls)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, out = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
         cfg.write_text(config_yaml)
         proc = subprocess.run(
             [sys.executable, str(REPO / "tools" / "estimate_memory.py"), "--config", str(cfg),
-             "--world-size", str(world_size), "--json", str(out)],
+             "--world-size", str(world_size), "--nccl-topology", topology, "--json", str(out)],
             capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         if proc.returncode != 0 or not out.exists():

@@ -13,8 +13,8 @@ Where records go (rank 0 only: the loss and gradient norm are reduced over every
 so rank 0 holds them): `log.metrics_file` gets one JSON line per step (`"kind": "train"`) and one per evaluation
 (`"kind": "eval"`), NaN written as null; tensorboard and wandb (offline by default) get the same scalars as
 `train/...` and `eval/...`; the console gets one line every `log.interval` steps, every evaluation and every
-skipped step, and an end-of-run summary. A resumed run appends to the metrics file: steps after its checkpoint
-appear again, the later record being the resumed run's.
+skipped step, and an end-of-run summary. A resumed run first drops the metrics file's records of steps after its
+checkpoint (the killed run's, `drop_records_after`), then appends: the file holds one curve.
 
 Console step line (the fields of Megatron-LM's `iteration 10/200 | consumed samples | elapsed time per iteration`):
   step 10/200 | consumed samples 80 | 512.3 ms/step | loss 7.3466 | lr 1.884e-03 | grad norm 0.755 |
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -157,6 +158,28 @@ def _json_value(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v  # JSON has no NaN
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrite the metrics file `path` (atomically) without the records of steps after `step`: a run resumed from
+    the checkpoint of `step` logs those steps again, and the file keeps one curve (as tensorboard's purge_step).
+    Returns how many records were dropped; a line that is not a JSON record (a torn last line) is dropped too."""
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            keep = not isinstance(record.get("step"), int) or record["step"] <= step
+        except (ValueError, AttributeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsLogger:
     """Writes records to the console (every log.interval steps), the metrics file, tensorboard and wandb, and the
     end-of-run summary. Only one rank (the caller decides which) makes one; the others use `NullLogger`."""
@@ -168,6 +191,8 @@ class MetricsLogger:
         if log_config.metrics_file:
             path = Path(log_config.metrics_file)
             path.parent.mkdir(parents=True, exist_ok=True)
+            if resumed_step and path.is_file():
+                drop_records_after(path, resumed_step)
             self.file = path.open("a", encoding="utf-8")
         self.tb = None
         if log_config.tensorboard_dir:

@@ -85,9 +85,9 @@ def layout_of(config: Config, plan: Plan) -> ParallelLayout:
 
 
 def setup_distributed(config: Config, plan: Plan) -> Groups:
-    """Process group + megatron-core groups for `config`'s layout (call on every rank)."""
-    if config.memory.expandable_segments and torch.cuda.is_available():
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first CUDA alloc
+    """Process group + megatron-core groups for `config`'s layout (call on every rank). The environment NCCL and
+    CUDA read (NCCL_NVLS_ENABLE, PYTORCH_CUDA_ALLOC_CONF for memory.expandable_segments, ...) is set before this,
+    before anything touches CUDA (pretrain_llama.py with training/node_env.py)."""
     timeout = timedelta(seconds=config.dist.timeout_s)
     owns = not dist.is_initialized()
     if owns:

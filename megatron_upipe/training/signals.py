@@ -1,9 +1,12 @@
-"""Stop at a step boundary on SIGTERM or SIGUSR1 (pre-emption, a batch scheduler's time limit), checkpoint first.
+"""Stop at a step boundary on SIGTERM, SIGUSR1 (pre-emption, a batch scheduler's time limit) or SIGINT (Ctrl-C),
+checkpoint first.
 
 With checkpoint.dir set and checkpoint.save_on_signal=true (the default), the training loop runs inside
-`StopOnSignal`: the handler of SIGTERM and SIGUSR1 only records the signal. After every step all ranks all-reduce
-(MAX) what they recorded (`agreed`), so they stop after the same step even when the signal reached only some of them
-or reached them at different moments, and no rank waits in a collective its peers never enter. The loop then saves
+`StopOnSignal`: the handler of SIGTERM, SIGUSR1 and SIGINT only records the signal (a second Ctrl-C, more than
+SAME_CTRL_C_S after the first, raises KeyboardInterrupt: stop at once, no save; pretrain_llama.py exits 130).
+After every step all ranks all-reduce (MAX) what they recorded (`agreed`), so they stop after the same step even
+when the signal reached only some of them or reached them at different moments, and no rank waits in a collective
+its peers never enter. The loop then saves
 a checkpoint of that step (the atomic save: a kill during it leaves `latest` on the previous checkpoint), prints one
 line and raises `StoppedBySignal`; pretrain_llama.py exits with EXIT_STOPPED (5). Resuming is relaunching the same
 command: the run continues bit-exactly from the saved step.
@@ -26,34 +29,47 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_STOPPED = 5  # pretrain_llama.py's exit status after a stop on signal
+# A Ctrl-C reaches a rank twice: from the terminal (the whole foreground process group) and forwarded by torchrun.
+# SIGINTs this close together are one Ctrl-C; a later one is a second Ctrl-C and stops at once (KeyboardInterrupt).
+SAME_CTRL_C_S = 2.0
 
 
 class StoppedBySignal(Exception):
-    """The run stopped after `step` on a signal; `saved` is the checkpoint written (None: checkpoint.dir unset)."""
+    """The run stopped after `step` on a signal (signum 0: before the job's deadline, training/deadline.py); `saved`
+    is the checkpoint written (None: checkpoint.dir unset)."""
 
     def __init__(self, signum: int, step: int, total: int, saved):
         self.signum, self.step, self.saved = signum, step, saved
         where = f"checkpoint {saved} saved" if saved is not None else "no checkpoint saved (checkpoint.dir is null)"
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step} of {total}: {where}; exit "
-                         f"code {EXIT_STOPPED}; relaunch the same command to resume from step {step}")
+        why = f"by {signal.Signals(signum).name}" if signum else "before the job's deadline"
+        super().__init__(f"stopped {why} after step {step} of {total}: {where}; exit code {EXIT_STOPPED}; relaunch "
+                         f"the same command to resume from step {step}")
 
 
 class StopOnSignal:
-    """Records SIGTERM / SIGUSR1 while active (a context manager; the main thread only, where Python runs signal
-    handlers); `agreed(device)` is the signal every rank sees after one all-reduce, or 0."""
+    """Records SIGTERM / SIGUSR1 / SIGINT while active (a context manager; the main thread only, where Python runs
+    signal handlers); `agreed(device)` is the signal every rank sees after one all-reduce, or 0."""
 
     def __init__(self, signals=STOP_SIGNALS):
         self.signals = tuple(signals)
         self.received = 0
+        self._first_ctrl_c: float | None = None
         self._previous: dict = {}
 
     def _record(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_ctrl_c is None:
+                self._first_ctrl_c = now
+            elif now - self._first_ctrl_c > SAME_CTRL_C_S:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.received = self.received or int(signum)
 
     def __enter__(self) -> "StopOnSignal":
