@@ -1,5 +1,5 @@
-"""Every command the docs show still works: the README's code blocks and code spans, the header comments of the
-recipes (examples/configs/*.yaml, examples/slurm/*.sbatch, examples/*.sh) and pretrain_llama.py's docstring.
+"""Every command the docs show still works: the code blocks and code spans of README.md and docs/*.md (but the
+generated docs/config_reference.md), the header comments of the recipes (examples/configs/*.yaml, examples/slurm/*.sbatch, examples/*.sh) and pretrain_llama.py's docstring.
 
 - `pretrain_llama.py ...`: run in-process as `main(argv + --dry-run)` at the world size its context gives (an
   explicit --world-size, else torchrun's --nproc-per-node x --nnodes, else 1 for a plain `python`, else the
@@ -9,7 +9,8 @@ recipes (examples/configs/*.yaml, examples/slurm/*.sbatch, examples/*.sh) and pr
 - `python -c "..."` snippets: run, exit 0 and print something.
 - shell recipes: `bash -n`; where the script takes config overrides, its config (CONFIG=..., else the script's
   default) dry-runs with the command's overrides at the script's world size.
-- every `section.key` the docs mention is a key of the schema, and every repository path in a command exists.
+- every `section.key` the docs (README.md, docs/*.md, recipe headers) mention is a key of the schema, and every
+  repository path in a command exists.
 Synopsis placeholders are filled: `[...]` groups are dropped, FILE/CFG become tiny_cpu.yaml, N the context's size.
 """
 
@@ -40,6 +41,8 @@ LAUNCHERS = {"python", "python3", ".venv/bin/python", "torchrun", ".venv/bin/tor
 NOT_CHECKED = ("docker ", "pip ", ".venv/bin/python -m pytest", "python -m pytest")  # need a registry, GPU or tree
 PLACEHOLDERS = {"FILE": TINY, "CFG": TINY}
 SHELL_STOP = {"|", "&&", ";", "||", ">", "(or"}
+# the README is the front door; the depth moved to these pages (config_reference.md is generated from the schema)
+DOC_FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "config_reference.md")]
 
 
 @dataclass(frozen=True)
@@ -67,28 +70,35 @@ def _is_command(text: str) -> bool:
                             and words[0].endswith((".py", ".sh", ".sbatch")))
 
 
-def readme_commands() -> list[Command]:
-    text = (ROOT / "README.md").read_text()
+def doc_commands(path: Path) -> list[Command]:
+    """Commands in a markdown page's fenced or indented code blocks and its code spans."""
+    rel = path.relative_to(ROOT).as_posix()
+    text = path.read_text()
     lines = text.splitlines()
     found, block, fenced = [], [], False
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate([*lines, ""], 1):  # the blank line ends a code block that ends the page
         if line.startswith("```"):
             fenced = not fenced
             continue
         if fenced or line.startswith("    ") and (not lines[n - 2].strip() or block):
             block.append((n, line))
             continue
-        found += [Command(f"README.md:{m}", t) for m, t in _join_continuations(block) if _is_command(t)]
+        found += [Command(f"{rel}:{m}", t) for m, t in _join_continuations(block) if _is_command(t)]
         block = []
     for m in re.finditer(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL)):
         span = " ".join(m.group(1).split())
         if _is_command(span):
-            found.append(Command(f"README.md:{text[:m.start()].count(chr(10)) + 1}", span))
+            found.append(Command(f"{rel}:{text[:m.start()].count(chr(10)) + 1}", span))
     return found
 
 
+def readme_commands() -> list[Command]:
+    return [c for p in DOC_FILES for c in doc_commands(p)]
+
+
 def header_commands(path: Path) -> list[Command]:
-    """Indented command lines of a file's leading comment block (a shell script's after its #! line)."""
+    """Indented command lines of a file's leading comment block (a shell script's after its #! line); an unindented
+    comment line is prose, even when it starts with a script's name."""
     lines = path.read_text().splitlines()
     header = []
     for n, line in enumerate(lines, 1):
@@ -98,7 +108,8 @@ def header_commands(path: Path) -> list[Command]:
             break
         header.append((n, line[1:]))
     rel = path.relative_to(ROOT)
-    return [Command(f"{rel}:{n}", t) for n, t in _join_continuations(header) if _is_command(t)]
+    return [Command(f"{rel}:{n}", t) for n, t in _join_continuations(header)
+            if _is_command(t) and header[[k for k, _ in header].index(n)][1].startswith("  ")]
 
 
 def docstring_commands() -> list[Command]:
@@ -234,7 +245,14 @@ def test_the_docs_show_commands_of_every_kind():
         assert any(needle in t for t in texts), needle
     assert {c.where.split(":")[0] for c in COMMANDS} >= {"README.md", "pretrain_llama.py",
                                                         "examples/configs/tiny_cpu.yaml",
-                                                        "examples/slurm/llama3_8b_upipe_8xh100.sbatch"}
+                                                        "examples/slurm/llama3_8b_upipe_8xh100.sbatch",
+                                                        "docs/recipes.md", "docs/training.md", "docs/checkpoints.md",
+                                                        "docs/data.md", "docs/memory.md", "docs/planner.md",
+                                                        "docs/parallelism.md"}
+    readme = [c.text for c in COMMANDS if c.where.startswith("README.md:")]  # the front door's own commands
+    for needle in ("bash examples/run_cpu_demo.sh", "bash tools/test.sh", "tools/estimate_memory.py", ".sbatch",
+                   "examples/torchrun_single_node.sh", "--dry-run"):
+        assert any(needle in t for t in readme), needle
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if "pretrain_llama.py" in c.text
@@ -313,7 +331,7 @@ KEYS = {f"{s}.{f.name}" for s, cls in schema.SECTIONS.items() for f in dataclass
 
 def test_every_config_key_the_docs_name_exists():
     unknown = []
-    for path in [ROOT / "README.md", *RECIPE_FILES]:
+    for path in [*DOC_FILES, *RECIPE_FILES]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             for m in KEY.finditer(line):
                 if m.group(2) not in ("py", "yaml", "md") and m.group(0) not in KEYS:
