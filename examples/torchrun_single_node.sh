@@ -60,6 +60,7 @@ TORCHRUN_ARGS=(
   --rdzv-backend c10d
   --rdzv-endpoint "localhost:$MASTER_PORT"
   --max-restarts 0
+  "${NUMA_ARGS[@]}"  # each rank on its GPU's NUMA node (examples/launch_env.sh)
 )
 TRAIN_ARGS=(
   --config "$RUN_DIR/config.yaml"

@@ -30,6 +30,9 @@ SINGLE_NODE = ROOT / "examples" / "torchrun_single_node.sh"
 FAKE = """#!{python}
 import json, os, sys
 name = os.path.basename(sys.argv[0])
+if name == "torchrun" and sys.argv[1:] == ["--help"]:  # the launchers ask whether it has --numa-binding
+    print("  --numa-binding {{node,socket,exclusive,core-complex}}" if os.environ.get("FAKE_NUMA") else "")
+    sys.exit(0)
 with open(os.path.join(os.environ["FAKE_LOG"], name + ".jsonl"), "a") as f:
     f.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}) + "\\n")
 if name == "srun":
@@ -95,7 +98,7 @@ class Fakes:
         self.log = tmp_path / "log"
         self.bin.mkdir()
         self.log.mkdir()
-        for name in ("srun", "torchrun", "scontrol", "nvidia-smi"):
+        for name in ("srun", "torchrun", "scontrol", "nvidia-smi", "numactl"):
             f = self.bin / name
             f.write_text(FAKE.format(python=sys.executable))
             f.chmod(0o755)
@@ -193,6 +196,33 @@ def test_sbatch_environment_overrides(tmp_path):
     assert torchrun["argv"][-4:] == ["--config", f"{run_dir}/config.yaml", "--status-file", f"{run_dir}/exit_status"]
     resolved = load_config(str(run_dir / "config.yaml"), [])
     assert resolved.model.preset == "tiny" and resolved.log.metrics_file == f"{tmp_path}/m.jsonl"
+
+
+@pytest.mark.parametrize("case", ["bound", "NUMA_BINDING=none", "no GPU", "old torchrun"])
+def test_ranks_are_bound_to_their_gpus_numa_node_where_torchrun_can(case, tmp_path):
+    """With GPUs, numactl and a torchrun that has --numa-binding, the single-node and Slurm launchers run torchrun
+    with --numa-binding node; otherwise without it and with a line saying why."""
+    fakes = Fakes(tmp_path)
+    env = {"FAKE_GPUS": "0" if case == "no GPU" else "8", "FAKE_NUMA": "" if case == "old torchrun" else "1",
+           "RUN_DIR": str(tmp_path / "run"), "NUMA_BINDING": "none" if case == "NUMA_BINDING=none" else "node"}
+    r = fakes.run(SINGLE_NODE, "train.steps=3", "dist.backend=gloo", "train.distributed_optimizer=false",
+                  NPROC_PER_NODE="8", EXTRA_ARGS="--dry-run", **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (torchrun,) = fakes.calls("torchrun")
+    bound = "--numa-binding" in torchrun["argv"]
+    assert bound == (case == "bound")
+    if bound:
+        assert option(torchrun["argv"], "--numa-binding") == "node"
+    why = {"no GPU": "no GPU listed", "old torchrun": "has no --numa-binding"}.get(case)
+    assert why is None or f"launch: no NUMA binding: " in r.stderr and why in r.stderr, r.stderr
+    if case == "bound":
+        (tmp_path / "slurm").mkdir()
+        fakes = Fakes(tmp_path / "slurm")
+        r = fakes.run(ROOT / "examples" / "slurm" / "llama3_8b_upipe_8xh100.sbatch", EXTRA_ARGS="--dry-run",
+                      **(slurm_env(1, 8, 92, tmp_path / "run2") | {"FAKE_GPUS": "8", "FAKE_NUMA": "1"}))
+        assert r.returncode == 0, r.stdout + r.stderr
+        (torchrun,) = fakes.calls("torchrun")
+        assert option(torchrun["argv"], "--numa-binding") == "node"
 
 
 @pytest.mark.parametrize("requeue", [False, True])

@@ -62,7 +62,8 @@ def job_fields(job_id: str, env: dict) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def test_8xh100_recipe_trains_under_slurm(slurm, tmp_path):
+def run_recipe(slurm: str, tmp_path: Path, *extra: str) -> tuple[dict, str, Path, dict]:
+    """Submit the recipe with the CPU overrides (+ extra) and wait for it: (job fields, output, run dir, env)."""
     run_dir = tmp_path / "run"
     job_log = tmp_path / "job.out"
     venv_bin = str(Path(sys.executable).parent)  # torchrun of this interpreter's environment
@@ -75,7 +76,7 @@ def test_8xh100_recipe_trains_under_slurm(slurm, tmp_path):
         "train.seq_length=64", "train.steps=3", "train.bf16=false", "train.distributed_optimizer=false",
         "dist.backend=gloo", "dist.timeout_s=120", "memory.plan_check=false",
         f"data.path={ROOT}/data/corpus_text_document", f"data.tokenizer={ROOT}/data/tokenizer/spm.model",
-        "data.num_workers=0", f"checkpoint.dir={tmp_path}/checkpoints",
+        "data.num_workers=0", f"checkpoint.dir={tmp_path}/checkpoints", *extra,
     ]
     submit = subprocess.run(["sbatch", "--parsable", f"--output={job_log}", str(RECIPE), *overrides], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=60)
@@ -89,8 +90,12 @@ def test_8xh100_recipe_trains_under_slurm(slurm, tmp_path):
             pytest.fail(f"job {job_id} still {job['JobState']} after {JOB_TIMEOUT_S} s:\n"
                         f"{job_log.read_text() if job_log.exists() else ''}")
         time.sleep(0.5)
-    output = job_log.read_text() if job_log.exists() else "(no job output)"
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), f"job {job_id}: {job}\n{output}"
+    return job, job_log.read_text() if job_log.exists() else "(no job output)", run_dir, env
+
+
+def test_8xh100_recipe_trains_under_slurm(slurm, tmp_path):
+    job, output, run_dir, env = run_recipe(slurm, tmp_path)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), f"job {job['JobId']}: {job}\n{output}"
 
     assert f"rendezvous localhost:{env['MASTER_PORT']}" in output
     resolved = load_config(str(run_dir / "config.yaml"), [])
@@ -104,3 +109,14 @@ def test_8xh100_recipe_trains_under_slurm(slurm, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3], lines
     assert all(METRIC_KEYS <= r.keys() for r in records), records
     assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records), records
+
+
+def test_a_job_stopped_before_its_deadline_tells_slurm_saved_resubmit(slurm, tmp_path):
+    """train.exit_duration_mins=1: after step 1 another step, the save allowance and the margin pass the deadline,
+    so the job saves step 1 and stops with 5; torchrun itself exits 1, and Slurm sees the job's 5 (the batch script
+    exits with RUN_DIR/exit_status)."""
+    job, output, run_dir, _ = run_recipe(slurm, tmp_path, "train.exit_duration_mins=1", "checkpoint.interval=0")
+    assert (job["JobState"], job["ExitCode"]) == ("FAILED", "5:0"), f"job {job['JobId']}: {job}\n{output}"
+    assert "stopped before the job's deadline after step 1 of 3" in output
+    assert (run_dir / "exit_status").read_text() == "5\n"
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "iter_0000001"

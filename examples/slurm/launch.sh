@@ -74,6 +74,7 @@ TORCHRUN_ARGS=(
   --max-restarts 0
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1  # pass --signal's SIGUSR1 on to the ranks, not die of it
   --shutdown-timeout 600  # then give them that long to save before SIGKILL (torchrun's default: 30 s)
+  "${NUMA_ARGS[@]}"  # each rank on its GPU's NUMA node (examples/launch_env.sh)
 )
 TRAIN_ARGS=(
   --config "$RUN_DIR/config.yaml"
