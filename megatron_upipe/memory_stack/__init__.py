@@ -2,7 +2,8 @@
 
 offload.py             HostOffloader: the one device<->host road, with a ledger of host bytes (live, peak, reserved)
 pinned_pool.py         its one host buffer per rank: exact size, pinned in place, sliced into the offloaded tensors
-host_budget.py         host bytes per rank and node (pool, checkpoint staging, margins); memory.host_mem_gib check
+host_budget.py         host bytes per rank and node (pool, checkpoint staging, margins); the start-up host check
+node_memory.py         what this node can give: /proc/meminfo, cgroup limits, NUMA nodes and the GPUs' NUMA nodes
 checkpoint_offload.py  full recompute with the saved layer inputs kept on the host (saved-tensor hooks)
 sharding.py            model states (params, fp32 main params, grads, Adam) sharded over dp x cp (Megatron-FSDP)
 
