@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_helper import run_on_ranks
-from tests.train_harness import SMALL, read_metrics, run_main
+from tests.train_harness import SMALL, pretrain_error_line, read_metrics, run_main
 
 BASE = [*SMALL, "checkpoint.keep_last=null"]
 RESUME = ["checkpoint.save_final=false"]  # resume runs leave the directory as it was
@@ -144,13 +144,7 @@ def job(tmp_path_factory):
     return tmp, run_on_ranks(_job, 2, str(tmp))
 
 
-def _one_line(err: str) -> str:
-    """The one line pretrain_llama.py says, no traceback (third-party import noise aside)."""
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("pretrain_llama.py: ")
-             and not line.startswith(("pretrain_llama.py: warning:", "pretrain_llama.py: no torchrun"))]
-    assert len(lines) == 1, repr(err)
-    return lines[0]
+_one_line = pretrain_error_line
 
 
 def _ok(out: dict, name: str) -> str:

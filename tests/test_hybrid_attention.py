@@ -18,21 +18,10 @@ WORST: dict = {}  # dtype -> worst error over every case so far (pytest -s print
 
 
 def _groups(A: int, R: int):
-    """(a2a group, ring group, a2a rank, ring rank) of this process: global rank = ring rank · A + a2a rank, so each
-    a2a group is A consecutive ranks (one node on Slurm) and each ring group takes one rank from every node."""
-    import torch.distributed as dist
+    """(a2a group, ring group, a2a rank, ring rank) of this process (benchmarks/multirank_check.hybrid_groups)."""
+    from megatron_upipe.benchmarks.multirank_check import hybrid_groups
 
-    me = dist.get_rank()
-    mine = {}
-    for r in range(R):  # every rank creates every group, in the same order
-        g = dist.new_group([r * A + a for a in range(A)])
-        if me // A == r:
-            mine["a2a"] = g
-    for a in range(A):
-        g = dist.new_group([r * A + a for r in range(R)])
-        if me % A == a:
-            mine["ring"] = g
-    return mine["a2a"], mine["ring"], me % A, me // A
+    return hybrid_groups(A, R)
 
 
 def _job(rank, world_size, A, R, H, G, N, dtype, strategies):

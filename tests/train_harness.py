@@ -47,3 +47,13 @@ def processes_with(token: str) -> list[int]:
             if token.encode() in env_file.read_bytes():
                 pids.append(int(env_file.parent.name))
     return [p for p in pids if p != os.getpid()]
+
+
+def pretrain_error_line(err: str) -> str:
+    """The one line pretrain_llama.py says in `err` (its warnings and the one-process notice aside), no traceback
+    (third-party import noise aside)."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("pretrain_llama.py: ")
+             and not line.startswith(("pretrain_llama.py: warning:", "pretrain_llama.py: no torchrun"))]
+    assert len(lines) == 1, repr(err)
+    return lines[0]

@@ -345,24 +345,28 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ one rank
+def hybrid_groups(A: int, R: int) -> tuple:
+    """(a2a group, ring group, a2a rank, ring rank) of this process for A x R ranks: global rank = ring rank · A +
+    a2a rank, so each a2a group is A consecutive ranks (one node on Slurm) and each ring group takes one rank from
+    every node. Every rank creates every group, in the same order (a collective)."""
+    me, mine = dist.get_rank(), {}
+    for r in range(R):
+        g = dist.new_group([r * A + a for a in range(A)])
+        if me // A == r:
+            mine["a2a"] = g
+    for a in range(A):
+        g = dist.new_group([r * A + a for r in range(R)])
+        if me % A == a:
+            mine["ring"] = g
+    return mine["a2a"], mine["ring"], me % A, me // A
+
+
 def _groups(C: int) -> dict:
     """{(A, R): (a2a group, ring group or None, a2a rank, ring rank)} of this rank for every layout of C ranks;
     every rank creates every group in the same order."""
     me, out = dist.get_rank(), {}
     for A, R in layouts(C):
-        if R == 1:
-            out[(A, R)] = (dist.group.WORLD, None, me, 0)
-            continue
-        mine = {}
-        for r in range(R):
-            g = dist.new_group([r * A + a for a in range(A)])
-            if me // A == r:
-                mine["a2a"] = g
-        for a in range(A):
-            g = dist.new_group([r * A + a for r in range(R)])
-            if me % A == a:
-                mine["ring"] = g
-        out[(A, R)] = (mine["a2a"], mine["ring"], me % A, me // A)
+        out[(A, R)] = (dist.group.WORLD, None, me, 0) if R == 1 else hybrid_groups(A, R)
     return out
 
 
