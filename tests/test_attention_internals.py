@@ -362,13 +362,12 @@ def _bf16_upipe_dx(seed, accumulate, H=16, G=4, d=8, s=64, b=2, D=256, U=2):
         operands.append((a.clone(), b_.clone()))
         accumulate(acc, a, b_)
 
-    orig, upipe.accumulate_mm = upipe.accumulate_mm, spy
-    try:
+    from tests.upipe_seams import replaced
+
+    with replaced(accumulate_mm=spy):
         ins = [t.clone().requires_grad_() for t in (x, w_q, w_k, w_v)]
         out = upipe_attention_grouped(*ins, cp_group=None, heads_per_stage=U, rotary_pos_emb=freqs)
         dx = torch.autograd.grad(out, ins, dout)[0]
-    finally:
-        upipe.accumulate_mm = orig
     return dx, ref_dx, operands
 
 
@@ -471,16 +470,19 @@ def _kernel_calls_in_model(rank, world_size, name):
         bwd.append(kernel.name)
         return real[2](kernel, *args, **kwargs)
 
-    api.select_kernel, upipe.kernel_forward, upipe.kernel_backward = select_spy, fwd_spy, bwd_spy
+    from tests.upipe_seams import replaced
+
+    api.select_kernel = select_spy
     try:
-        arch = get_preset("tiny-gqa")
-        stage = build_llama(arch, layout, pg, vocab_size=128, attention_kernel=name, kernel_device="cpu")
-        tokens = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(0))
-        loss = stage.model(tokens[:, :-1], torch.arange(16)[None], None, labels=tokens[:, 1:])  # [1, 16]
-        loss.sum().backward()
-        return asked, fwd, bwd, arch.num_layers
+        with replaced(kernel_forward=fwd_spy, kernel_backward=bwd_spy):
+            arch = get_preset("tiny-gqa")
+            stage = build_llama(arch, layout, pg, vocab_size=128, attention_kernel=name, kernel_device="cpu")
+            tokens = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(0))
+            loss = stage.model(tokens[:, :-1], torch.arange(16)[None], None, labels=tokens[:, 1:])  # [1, 16]
+            loss.sum().backward()
+            return asked, fwd, bwd, arch.num_layers
     finally:
-        api.select_kernel, upipe.kernel_forward, upipe.kernel_backward = real
+        api.select_kernel = real[0]
         destroy_parallel()
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import megatron_upipe.attention.ring as ring_mod
 import megatron_upipe.attention.upipe as upipe_mod
+from tests.upipe_seams import replaced
 from megatron_upipe.attention import legal_heads_per_stage
 from megatron_upipe.benchmarks import multirank_check as mc
 
@@ -79,8 +80,8 @@ def test_a_wrong_head_order_fails_every_case(monkeypatch):
     def rolled(send, group, async_op=False):  # each rank's heads sent to the next rank
         return real(send.roll(1, 0), group, async_op)
 
-    monkeypatch.setattr(upipe_mod, "seq_to_head", rolled)
-    rows = mc.check_world(4, _small_plan(), CPU)
+    with replaced(seq_to_head=rolled):
+        rows = mc.check_world(4, _small_plan(), CPU)
     assert len(rows) == 4 and not any(r["ok"] for r in rows), rows
     assert all(r["max_rel_err"] > 0.1 for r in rows)
 
@@ -91,9 +92,9 @@ def test_a_missing_wait_fails_the_overlapped_cases(monkeypatch):
             return t._recv if t._shape is None else t._recv.view(t._shape)
         return t
 
-    monkeypatch.setattr(upipe_mod, "_ready", not_waited)
     cases = [c for c in _small_plan(full=True) if c.overlap or (c.R == 1 and c.strategy == "ulysses")]
-    rows = mc.check_world(4, cases, CPU)
+    with replaced(_ready=not_waited):
+        rows = mc.check_world(4, cases, CPU)
     by_kind = {(r["overlap"], r["R"] > 1): r for r in rows}
     assert by_kind[(False, False)]["ok"]  # nothing async in the serial op
     assert not by_kind[(True, False)]["ok"] and not by_kind[(True, False)]["bitwise_equal"]

@@ -64,6 +64,7 @@ def _layer(x, weights, cu_seqlens):
 def test_op_given_documents_copies_nothing_per_layer(monkeypatch):
     from megatron_upipe.attention import upipe
     from megatron_upipe.attention.varlen import documents
+    from tests.upipe_seams import OP_MODULES
 
     kept, build = {}, upipe._build_indices
 
@@ -72,7 +73,9 @@ def test_op_given_documents_copies_nothing_per_layer(monkeypatch):
             kept[sched] = build(sched, like.device)
         return kept[sched]
 
-    monkeypatch.setattr(upipe, "_stage_indices", stage_indices)
+    for module in OP_MODULES:  # the op's code spans attention/upipe*.py (tests/upipe_seams.py)
+        if "_stage_indices" in vars(module):
+            monkeypatch.setattr(module, "_stage_indices", stage_indices)
     cu = _cu()
     with FakeTensorMode(allow_non_fake_inputs=True):
         mk = dict(device=CUDA, dtype=torch.bfloat16)

@@ -5,7 +5,9 @@ schedule (which heads go where per stage; pure Python), comm (all-to-all reshard
 tile math of the fused input norm, also used by models/tiled_norm.py), qk_norm (the per-head q/k RMSNorm: Qwen3's
 QK-norm), varlen (packed documents: cu_seqlens checked and normalised, the CPU variable-length kernel),
 kernel_libraries and varlen_kernels (flash-attn / TransformerEngine bindings; the CUDA kernels' cu_seqlens calls),
-kernels (local attention with an explicit backward), upipe (the stage loop for UPipe and, with one stage, Ulysses),
+kernels (local attention with an explicit backward), upipe (the op for UPipe and, with one stage, Ulysses: its
+autograd.Function; the stage code in upipe_rows, upipe_indices, upipe_stages, upipe_passes, and the serial and
+pipelined stage loops in upipe_serial and upipe_pipelined),
 api (checked public functions), reference (float64 full attention for tests and benchmarks), layout (which
 global token positions a rank holds, for every a2a x ring layout).
 
