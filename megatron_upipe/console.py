@@ -97,9 +97,9 @@ class _DropMessages(logging.Filter):
 
 
 def quiet_third_party(cuda: bool | None = None, *, tool: bool = False) -> None:
-    """Install the filters above (idempotent: a second call adds nothing). `cuda`: whether this process computes on
-    CUDA (default: torch.cuda.is_available()); the `cpu_only` entries are installed only without it. `tool`: a tool,
-    not the training job (adds the `tools_only` entries)."""
+    """Install the filters above (idempotent: a second call replaces the logging filters it made, adds nothing).
+    `cuda`: whether this process computes on CUDA (default: torch.cuda.is_available()); the `cpu_only` entries are
+    installed only without it. `tool`: a tool, not the training job (adds the `tools_only` entries)."""
     if cuda is None:
         import torch
 
@@ -111,10 +111,12 @@ def quiet_third_party(cuda: bool | None = None, *, tool: bool = False) -> None:
     for r in KNOWN_LOG_RECORDS:
         if not (r.cpu_only and cuda):
             by_logger.setdefault(r.logger, []).append(r.message)
-    for name, patterns in by_logger.items():
+    for name in {r.logger for r in KNOWN_LOG_RECORDS}:  # the last call's `cuda` decides: earlier filters go
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(patterns))
+        for old in [f for f in logger.filters if isinstance(f, _DropMessages)]:
+            logger.removeFilter(old)
+        if name in by_logger:
+            logger.addFilter(_DropMessages(by_logger[name]))
     for name in MEGATRON_LOGGERS:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET or logger.level < logging.WARNING:

@@ -131,9 +131,12 @@ def test_node_and_socket_verdicts_in_one_line():
     assert line.endswith("per NUMA node not checked: GPUs' NUMA nodes unknown (no CUDA device)")
 
 
-def test_stated_usable_host_memory_is_not_yet_the_planner_default():
-    assert hb.PLANNER_HOST_GIB == 2048.0  # the recipe tables are planned against it until they are re-planned
-    assert hb.USABLE_HOST_GIB + hb.USABLE_HOST_GIB_UNCERTAINTY < hb.PLANNER_HOST_GIB
+def test_planner_host_capacity_is_the_stated_usable_figure():
+    # a DGX H100/H200 node's MemTotal as derived in host_budget.py (2,048 GiB of DIMMs less 1/64 for struct page and
+    # the reservations), not its nominal 2 TiB; the recipe tables and headers are planned against it
+    assert hb.PLANNER_HOST_GIB == 2010.0
+    assert hb.PLANNER_HOST_GIB <= 2048 * (1 - 1 / 64)
+    assert not hasattr(hb, "USABLE_HOST_GIB") and not hasattr(hb, "USABLE_HOST_GIB_UNCERTAINTY")
 
 
 # --- the start-up check on this machine, with a fake node -----------------------------------------------------------

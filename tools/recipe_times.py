@@ -6,7 +6,7 @@
 
 For each batch script: its default config at its world size (--nodes x --gpus-per-node) through
 tools/estimate_memory.py (the memory planner with the step-time model, H100 constants), one process per recipe;
-the seconds per step go to examples/plans/recipe_step_times.json with the config's sha256. Then every recipe is
+the seconds per step go to examples/plans/recipe_step_times.json with the resolved config's sha256. Then every recipe is
 held to the rule of megatron_upipe/training/recipe_times.py (the first checkpoint within the first half of --time)
 and its header's timing lines are printed as they must read. A few minutes on 2 cores (the 70B recipe is the
 longest). Exit 1 when a recipe breaks the rule or the JSON is stale.

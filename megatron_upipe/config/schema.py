@@ -421,8 +421,9 @@ class MemoryConfig:
     # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).
     plan_check: bool = False
     # Host RAM per node in GiB, checked at start-up against the planned host memory (offload pool, checkpoint staging,
-    # stated margins; megatron_upipe/memory_stack/host_budget.py). null = this machine's RAM at start-up (the cgroup
-    # limit where lower); the memory planner then assumes 2048 (a DGX H100/H200 node).
+    # stated margins; megatron_upipe/memory_stack/host_budget.py); it can lower, not raise, what the node gives at
+    # start-up (the least of MemAvailable and the cgroup's room). null = what the node gives; the memory planner then
+    # assumes 2010 (a DGX H100/H200 node's MemTotal, derived from its 2,048 GiB; host_budget.PLANNER_HOST_GIB).
     host_mem_gib: float | None = None
 
     def __post_init__(self) -> None:

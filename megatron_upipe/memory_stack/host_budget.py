@@ -25,8 +25,8 @@ Per rank (`HostPlan.breakdown`):
 Per node: per rank x ranks on the node (every rank counted as pipeline stage 0, the one with the most in flight)
 + margin: os.
 
-Capacity in the memory planner: memory.host_mem_gib (per node), unset PLANNER_HOST_GIB (a DGX H100/H200 node's 2 TiB
-nominal; USABLE_HOST_GIB is the stated usable figure, not yet the default).
+Capacity in the memory planner: memory.host_mem_gib (per node), unset PLANNER_HOST_GIB (2,010 GiB: what Linux reports
+as MemTotal on a DGX H100/H200 node of 2 TiB, derived below, not measured); margin: os then comes off it.
 
 At start-up (`host_memory_refusal`, every rank, before the model or the pinned pool exists) each node compares what
 it can still give the job (node_memory.py `read_node_memory`: the least of MemAvailable, the room left in the job's
@@ -54,14 +54,13 @@ from megatron_upipe.memory_stack.pinned_pool import aligned
 if TYPE_CHECKING:
     from megatron_upipe.config import Config, Plan
 
-PLANNER_HOST_GIB = 2048.0  # host RAM per node the planner assumes when memory.host_mem_gib is unset (DGX H100/H200)
-# What a job can use of a DGX H100/H200 node's 2 TB DDR5 (NVIDIA DGX BasePOD reference architecture: 2,048 GiB
-# nominal): firmware and kernel reservations come off MemTotal; the kernel, page tables, the GPU and fabric daemons
-# and file-system clients come off what is available. Stated, not measured (no such node here): 1,900 GiB, +-60 GiB
-# (the file-system clients' caches vary most between sites). Not the planner's default yet: the recipe tables are
-# planned against PLANNER_HOST_GIB and are to be re-planned against this figure; the start-up check reads the node.
-USABLE_HOST_GIB = 1900.0
-USABLE_HOST_GIB_UNCERTAINTY = 60.0
+# Host RAM per node the planner assumes when memory.host_mem_gib is unset: the MemTotal of a DGX H100/H200 node, not
+# its 2 TB of DIMMs (DGX H100/H200 datasheets: 2 TB system memory, 2,048 GiB). Linux's MemTotal leaves out the kernel's
+# page metadata (a 64-byte `struct page` per 4 KiB page: 1/64 of 2,048 GiB = 32 GiB) and the firmware's and kernel's
+# reservations, about 2,010-2,020 GiB in all; the lower end is taken. A derivation, not a measurement on such a node
+# (none here); the job's start-up check reads the real node (`host_memory_refusal`). HostMargins.os_fraction (2% of
+# this) then comes off it in the plan.
+PLANNER_HOST_GIB = 2010.0
 PLANNER_RANKS_PER_NODE = 8  # GPUs per node the planner assumes (DGX/HGX H100, H200, B200)
 
 

@@ -161,7 +161,8 @@ def plan_host(cfg: Config, world_size: int, vocab_size: int, step: StepMemory) -
     host = plan_host_memory(cfg, validate(cfg, world_size), vocab_size, bf16=cfg.train.bf16 is not False, cuda=True,
                             ranks_per_node=min(world_size, PLANNER_RANKS_PER_NODE),
                             host_mem_bytes=int(PLANNER_HOST_GIB * GIB),
-                            capacity_source=f"memory.host_mem_gib unset: the planner assumes {PLANNER_HOST_GIB:g}")
+                            capacity_source=f"memory.host_mem_gib unset: the planner assumes {PLANNER_HOST_GIB:g}, a "
+                                            "DGX H100/H200 node's MemTotal derived from its 2,048 GiB, not measured")
     return dataclasses.replace(host, offload_pool_bytes=step.host_peak_bytes)
 
 

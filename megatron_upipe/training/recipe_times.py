@@ -3,7 +3,7 @@
 A recipe is a batch script (examples/slurm/*.sbatch: its `#SBATCH --time`, `--nodes`, `--gpus-per-node` and the
 config it defaults to) and that config's `checkpoint.interval`. `tools/recipe_times.py` runs the memory planner with
 the step-time model (tools/estimate_memory.py, the H100 constants of planner/step_time.py) on each recipe's config
-at its world size and records the predicted seconds per step, with the config's sha256, in
+at its world size and records the predicted seconds per step, with the resolved config's sha256, in
 examples/plans/recipe_step_times.json. `recipe_problems` then holds each recipe to the rule:
 
   first checkpoint = interval x step + the save allowance (training/deadline.py SAVE_ESTIMATE_S) + MARGIN_S
@@ -62,7 +62,10 @@ def time_limit_s(value: str) -> int:
 
 
 def config_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of the resolved config (defaults < file): what the planner simulates; comments do not count."""
+    from megatron_upipe.config import load_config, to_yaml
+
+    return hashlib.sha256(to_yaml(load_config(str(path), [])).encode()).hexdigest()
 
 
 def first_checkpoint_s(step_s: float, interval: int) -> float:
