@@ -3,7 +3,11 @@
 `run_on_ranks(fn, world_size, *args)` starts `world_size` processes, initialises a gloo process group on a
 free localhost port in each, calls `fn(rank, world_size, *args)` and returns the list of per-rank return values
 (they must be picklable). An exception on any rank is re-raised in the parent with that rank's traceback; a rank
-that hangs past `timeout_s` fails the test instead of hanging CI.
+that hangs past `timeout_s` fails the test instead of hanging CI, and a rank that dies without a word (a signal, a
+C-level abort) fails it as soon as it is seen dead, with its exit code, instead of after `timeout_s`.
+
+A rank's result is flushed into the pipe before it tears its process group down, so what the rank computed reaches
+the parent whatever its teardown does.
 
 Results travel as bytes (torch.save in the rank, torch.load in the parent): a tensor put on a torch
 multiprocessing queue as is travels as a shared-memory handle that the parent can only open while the sending
@@ -15,7 +19,10 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
+import signal
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -42,12 +49,27 @@ def _worker(fn, rank, world_size, port, args, queue):
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
-        queue.put((rank, True, buf.getvalue()))
+        message = (rank, True, buf.getvalue())
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-        queue.put((rank, False, traceback.format_exc()))
+        message = (rank, False, traceback.format_exc())
+    try:
+        queue.put(message)
+        queue.close()
+        queue.join_thread()  # in the pipe now, before the teardown below runs
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _dead_without_result(procs, results: dict[int, Any]) -> str:
+    """'rank r: exit code c (SIGNAME)' for each exited rank that sent nothing (a result sent is read before this is
+    asked: the queue was empty for a second and the rank flushed before exiting)."""
+    dead = []
+    for rank, p in enumerate(procs):
+        if rank not in results and p.exitcode is not None:
+            name = f" ({signal.Signals(-p.exitcode).name})" if p.exitcode < 0 else ""
+            dead.append(f"rank {rank}: exit code {p.exitcode}{name}")
+    return ", ".join(dead)
 
 
 def _load(payload: bytes) -> Any:
@@ -65,16 +87,24 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    seen_dead = ""
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout_s)
+        while len(results) < world_size and not failures:
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # dead twice in a row: a rank that flushed its result just before dying is read in between
+                dead, seen_dead = seen_dead, _dead_without_result(procs, results)
+                if dead and dead == seen_dead:
+                    failures.append(f"rank(s) died without a result: {dead}; got {sorted(results)}")
+                elif time.monotonic() > deadline:
+                    failures.append(f"timed out after {timeout_s}s waiting for ranks; got {sorted(results)}")
+                continue
             if ok:
                 results[rank] = _load(payload)
             else:
-                failures.append(f"rank {rank} failed:\n{payload}")
-                break  # the other ranks may now be blocked in a collective
-    except Exception as exc:  # queue.Empty on timeout
-        failures.append(f"timed out after {timeout_s}s waiting for ranks ({exc!r}); got {sorted(results)}")
+                failures.append(f"rank {rank} failed:\n{payload}")  # the others may now wait in a collective
     finally:
         for p in procs:
             p.join(timeout=5 if not failures else 0.5)
