@@ -147,7 +147,7 @@ def _inflight_job(rank, world_size):
     variant's tracked peak memory."""
     import megatron_upipe.attention.upipe as upipe_mod
     from megatron_upipe.attention.schedule import make_schedule
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 
     dist = torch.distributed
     C, group = world_size, torch.distributed.group.WORLD

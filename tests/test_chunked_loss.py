@@ -35,7 +35,7 @@ def _op_checks(layout_kw: dict, rank: int, s: int, b: int, hidden: int, vocab: i
     """megatron's output layer + vocab_parallel_cross_entropy vs chunked_lm_loss on the same weights and inputs."""
     from megatron.core import tensor_parallel
 
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
     from megatron_upipe.models.chunked_loss import chunked_lm_loss
     from megatron_upipe.models.llama import llama_transformer_config
     from megatron_upipe.models.presets import get_preset

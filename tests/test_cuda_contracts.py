@@ -116,7 +116,7 @@ def _op_outputs(kernel, strategy, U, grad_accum, fused, device, group, track=Fal
     all-to-alls on the fake process group); ring: (ring group, ring_overlap) of hybrid a2a x ring, `group` then
     being the all-to-all group (the rank's s = N / 8 tokens either way)."""
     from megatron_upipe.attention import api
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 
     s = N // C
     x, (wq, wk, wv), w_o, norm_w, rope = _inputs(device, s, fused=fused)
@@ -397,8 +397,8 @@ def _model_vs_stand_ins():
 
     from megatron_upipe.attention import legal_heads_per_stage, ulysses_attention, upipe_attention
     from megatron_upipe.attention.kernels import planning_kernel
-    from megatron_upipe.memory.attention_model import AttentionShape, attention_memory
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.attention_model import AttentionShape, attention_memory
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 
     rows = []
     for cp in (1, 2):

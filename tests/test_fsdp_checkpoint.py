@@ -52,7 +52,7 @@ def _job(rank, world_size, tmp):
 
     checkpointing._load_fsdp = counting_load_fsdp
 
-    from megatron_upipe.memory_stack import sharding
+    from megatron_upipe.memory_switches import sharding
 
     orig_wrap, padding = sharding.wrap_fully_sharded, {}
 

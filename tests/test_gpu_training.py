@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on CI's machines)")
 
 
-def test_one_gpu_training_with_the_memory_stack_and_plan_check(tmp_path):
+def test_one_gpu_training_with_the_memory_switches_and_plan_check(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29561",
            str(ROOT / "pretrain_llama.py"), "--config", str(ROOT / "tools" / "gpu_check_train.yaml"),

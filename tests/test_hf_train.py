@@ -106,7 +106,7 @@ def _recording_save(record: dict):
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 
     from megatron_upipe.checkpoint.hf_convert import stage_to_hf
-    from megatron_upipe.memory_stack.sharding import is_fully_sharded
+    from megatron_upipe.memory_switches.sharding import is_fully_sharded
     from megatron_upipe.training import checkpointing
 
     orig = checkpointing.save_checkpoint

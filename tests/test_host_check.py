@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_upipe.config import load_config, validate
-from megatron_upipe.memory_stack import host_budget as hb
+from megatron_upipe.memory_switches import host_budget as hb
 from tests.dist_helper import run_on_ranks
 
 GIB = 1 << 30
@@ -179,7 +179,7 @@ def test_start_up_check_reads_the_node_and_refuses_in_one_line(tmp_path, monkeyp
 def _order_job(rank, world_size, tmp):
     import torch.utils.data
 
-    import megatron_upipe.memory_stack.offload as offload
+    import megatron_upipe.memory_switches.offload as offload
     from tests.train_harness import SMALL, run_main
 
     order = []

@@ -35,7 +35,7 @@ LAYOUTS = {"dp2": (dict(dp=2), 1), "pp2": (dict(pp=2), 2)}  # name -> (layout kw
 
 # --- the range allocator and the pool (no processes) ---------------------------------------------------------------
 def test_range_allocator_first_fit_aligned_merged():
-    from megatron_upipe.memory_stack.pinned_pool import ALIGN, RangeAllocator, aligned
+    from megatron_upipe.memory_switches.pinned_pool import ALIGN, RangeAllocator, aligned
 
     assert [aligned(n) for n in (0, 1, ALIGN, ALIGN + 1)] == [0, ALIGN, ALIGN, 2 * ALIGN]
     a = RangeAllocator(4 * ALIGN)
@@ -56,7 +56,7 @@ def test_range_allocator_first_fit_aligned_merged():
 
 
 def test_pool_is_one_exact_buffer_sliced_and_reused_pageable_here(caplog):
-    from megatron_upipe.memory_stack.offload import HostOffloader
+    from megatron_upipe.memory_switches.offload import HostOffloader
 
     nbytes = 3 * 4096 + 512  # not a power of two: torch's pinned allocator would take 16384
     with caplog.at_level(logging.WARNING):
@@ -98,7 +98,7 @@ def test_pool_pins_its_exact_range_with_cuda_host_register(monkeypatch, caplog):
     said in one line."""
     import gc
 
-    from megatron_upipe.memory_stack import pinned_pool
+    from megatron_upipe.memory_switches import pinned_pool
 
     calls = []
 
@@ -135,7 +135,7 @@ def test_pool_pins_its_exact_range_with_cuda_host_register(monkeypatch, caplog):
 def test_simulated_pool_keeps_the_same_books():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader
+    from megatron_upipe.memory_switches.offload import HostOffloader, SimulatedHostOffloader
 
     books = []
     for cls in (HostOffloader, SimulatedHostOffloader):
@@ -161,12 +161,12 @@ def _config(layout: str, seq: int = SEQ, extra=()):
 
 
 def _job(rank, world_size):
-    from megatron_upipe.memory_stack.host_budget import offload_pool_bytes
-    from megatron_upipe.memory_stack.offload import HostOffloader
+    from megatron_upipe.memory_switches.host_budget import offload_pool_bytes
+    from megatron_upipe.memory_switches.offload import HostOffloader
     from megatron_upipe.models.presets import get_preset
     from megatron_upipe.parallel import ParallelLayout
     from tests.llama_harness import random_hf_state_dict
-    from tests.memory_stack_harness import portable, run_memory_layout
+    from tests.memory_switches_harness import portable, run_memory_layout
 
     arch = get_preset("tiny-gqa").replace(num_layers=LAYERS)
     hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
@@ -195,8 +195,8 @@ def _fake_books(arch) -> dict:
     pooled offloader and the planner's simulated one: (reserved peak, peak, misses)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_upipe.memory_stack.host_budget import offload_pool_bytes
-    from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader
+    from megatron_upipe.memory_switches.host_budget import offload_pool_bytes
+    from megatron_upipe.memory_switches.offload import HostOffloader, SimulatedHostOffloader
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 
@@ -271,7 +271,7 @@ def _simulate(rank, world_size):
 
 
 def test_planner_reports_host_per_rank_and_node_and_fits_only_if_host_fits():
-    from megatron_upipe.memory_stack.host_budget import HostMargins, checkpoint_staging_bytes, offload_pool_bytes
+    from megatron_upipe.memory_switches.host_budget import HostMargins, checkpoint_staging_bytes, offload_pool_bytes
 
     step, est = run_on_ranks(_simulate, 1)[0]
     cfg = _config("pp2")
@@ -296,8 +296,8 @@ def test_planner_reports_host_per_rank_and_node_and_fits_only_if_host_fits():
 
 
 def test_host_plan_of_the_6m_recipe():
-    from megatron_upipe.memory_stack.host_budget import GIB as G
-    from megatron_upipe.memory_stack.host_budget import plan_host_memory
+    from megatron_upipe.memory_switches.host_budget import GIB as G
+    from megatron_upipe.memory_switches.host_budget import plan_host_memory
 
     path = "examples/configs/llama3_8b_upipe_8xh100_6m.yaml"
     config = load_config(path, [])

@@ -141,7 +141,7 @@ def _grad_accum_results(rank: int, C: int, group, seed: int = 21) -> dict:
     sequence on the same bf16-rounded inputs): errors, forward bit-equality, tracked backward peaks."""
     from megatron_upipe.attention import upipe_attention_grouped
     from megatron_upipe.attention.reference import reference_attention
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 
     c = GA
     H, G, d, s, b, D = c["H"], c["G"], c["d"], c["s"], c["b"], c["D"]
@@ -309,9 +309,9 @@ def test_rank_rows_rotary_embedding(dist_results):
 def _recompute_drop(pg, layout) -> tuple[dict, object]:
     """tiny-gqa, cp=2 UPipe, full recompute: build_llama's model (hooks on) vs the same weights without the hooks.
     One forward + backward of the summed per-token loss each; backward tracked."""
-    import megatron_upipe.memory_stack.recompute_output as ro
+    import megatron_upipe.memory_switches.recompute_output as ro
     from megatron_upipe.cp_batch import split_batch
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.models.presets import get_preset
 
@@ -422,7 +422,7 @@ def _norm_runs(rank: int, C: int, group, c: dict, dtype, seed: int, tile: int, c
     RMSNorm's formula then the op). Returns {op: {'fused' | ref: [y, dx, dw_q, dw_k, dw_v, dw_o, dw_norm]}}, plus
     {op: {'peak': {'fused' | ref: bytes}}} (forward + backward tracked) when track."""
     from megatron_upipe.attention import ulysses_attention_grouped, upipe_attention_grouped
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
     from megatron_upipe.models.tiled_norm import tiled_rms_norm
 
     N = c["s"] * C

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_upipe.attention import legal_heads_per_stage
-from megatron_upipe.memory.attention_model import AttentionShape, attention_memory, chunked_bytes
-from megatron_upipe.memory.measure import measure_attention_peak
-from megatron_upipe.memory.tracker import PeakMemoryTracker
+from megatron_upipe.memory_accounting.attention_model import AttentionShape, attention_memory, chunked_bytes
+from megatron_upipe.memory_accounting.measure import measure_attention_peak
+from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 from tests.dist_helper import run_on_ranks
 
 # (N, b, D, H, G, d, C, dtype bytes, rotary dim): GQA g=4 and g=8 with KV replication, MHA in float64, bf16 with

@@ -1,4 +1,4 @@
-"""Full activation recompute with the checkpointed layer inputs offloaded to host memory (memory_stack).
+"""Full activation recompute with the checkpointed layer inputs offloaded to host memory (memory_switches).
 
 One 2-rank gloo job, float32, a 4-layer tiny Llama (GQA), one training step per variant, every variant loading the
 same HF-named weights and batch:
@@ -39,7 +39,7 @@ def _job(rank, world_size):
     from megatron_upipe.models.presets import get_preset
     from megatron_upipe.parallel import ParallelLayout
     from tests.llama_harness import random_hf_state_dict
-    from tests.memory_stack_harness import portable, run_memory_layout
+    from tests.memory_switches_harness import portable, run_memory_layout
 
     arch = get_preset("tiny-gqa").replace(num_layers=LAYERS)
     hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
@@ -57,8 +57,8 @@ def _fake_runs(arch) -> dict:
     bytes at the end, tracked device peak, tracked device bytes after forward)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
-    from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_switches.offload import HostOffloader, SimulatedHostOffloader
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 
@@ -158,8 +158,8 @@ def test_on_fake_tensors_the_ledger_and_device_peak_are_the_same(results):
 def test_offloader_hides_host_copies_from_device_tracker_also_on_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
-    from megatron_upipe.memory_stack.offload import HostOffloader, SimulatedHostOffloader, pinned_block_bytes
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_switches.offload import HostOffloader, SimulatedHostOffloader, pinned_block_bytes
 
     nbytes = 16 * 4 * 8 * 4
     for fake in (False, True):

@@ -129,7 +129,7 @@ MEGATRON = ["memory.fsdp_communication_unit=megatron", "memory.fsdp_embedding_un
 
 
 def _losses_job(rank, world_size, tmp):
-    from megatron_upipe.memory_stack import sharding
+    from megatron_upipe.memory_switches import sharding
     from tests.train_harness import SMALL, run_main
 
     wrapped = []

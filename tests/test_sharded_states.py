@@ -1,4 +1,4 @@
-"""Model states fully sharded over data x context parallel ranks (Megatron-FSDP, memory_stack.sharding).
+"""Model states fully sharded over data x context parallel ranks (Megatron-FSDP, memory_switches.sharding).
 
 One 4-rank gloo job, tiny Llama (GQA), 3 Adam steps (grad clipping on) on the same global batch, every layout
 loading the same HF-named weights:
@@ -36,7 +36,7 @@ def _job(rank, world_size):
     from megatron_upipe.models.presets import get_preset
     from megatron_upipe.parallel import ParallelLayout
     from tests.llama_harness import random_hf_state_dict
-    from tests.memory_stack_harness import portable, run_memory_layout
+    from tests.memory_switches_harness import portable, run_memory_layout
 
     arch = get_preset("tiny-gqa")
     hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)

@@ -42,7 +42,7 @@ def _mlps(config, pg, ffn: int, chunks: tuple[int, ...]):
 
 def _module_checks(rank) -> dict:
     """On a tp1 layout: tiled == megatron MLP, and the tracked peak with 1 vs 8 tiles."""
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
     from megatron_upipe.models.llama import llama_transformer_config
     from megatron_upipe.models.presets import get_preset
     from megatron_upipe.parallel import ParallelLayout, destroy_parallel, initialize_parallel
@@ -204,7 +204,7 @@ def test_refuses_other_mlp_specs():
 def test_tiled_rms_norm_equals_rms_norm_and_saves_only_its_input(dtype):
     """Same output and gradients as norm.RMSNorm; after forward it holds its output and rstd, not the plain
     norm's float32 input copy and normalised tensor; the backward peak shrinks with the tiles."""
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
     from megatron_upipe.models.llama import llama_transformer_config
     from megatron_upipe.models.norm import RMSNorm
     from megatron_upipe.models.presets import get_preset

@@ -9,7 +9,7 @@
 3. memory: one Llama3-8B attention layer (H 32, H_kv 8, d 128, D 4096, C = 1) forward + backward, UPipe U = 8,
    16 and Ulysses, at three lengths for the automatically chosen kernel (the middle one for the others):
    torch.cuda.max_memory_allocated vs the tracked peak (PeakMemoryTracker, what the planner simulates) vs the
-   closed-form model (memory/attention_model.py); measured - tracked is the kernel's workspace, fitted per kernel
+   closed-form model (memory_accounting/attention_model.py); measured - tracked is the kernel's workspace, fitted per kernel
    as constant + bytes per element of the call's query block [b, N, m, d];
 4. length-independent terms: CUDA context and library handles (device memory used minus torch's reserved pool),
    a one-rank NCCL communicator, allocator fragmentation (reserved vs allocated peaks, expandable_segments);
@@ -53,7 +53,7 @@ from megatron_upipe.attention.kernels import (  # noqa: E402
 )
 from megatron_upipe.attention.reference import reference_attention, rope_angles  # noqa: E402
 from megatron_upipe.attention.schedule import make_schedule  # noqa: E402
-from megatron_upipe.memory.attention_model import AttentionShape, attention_memory  # noqa: E402
+from megatron_upipe.memory_accounting.attention_model import AttentionShape, attention_memory  # noqa: E402
 
 CUDA_KERNELS = [n for n, k in KERNELS.items() if k.device_type == "cuda"]
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-10}
@@ -205,7 +205,7 @@ def planner_workspace_formula(N: int, m: int, w: int, b: int = 1, d: int = 128) 
 
 def memory_run(kernel: str, N: int, strategy: str, U: int | None) -> dict:
     """One layer's forward + backward on the GPU: measured (allocator) vs tracked vs model bytes."""
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 
     H, G, d, D = LLAMA["H"], LLAMA["G"], LLAMA["d"], LLAMA["D"]
     shape, _, m, w = memory_case(N, strategy, U)

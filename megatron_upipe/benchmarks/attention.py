@@ -39,8 +39,8 @@ import torch.distributed as dist
 from megatron_upipe.attention import legal_heads_per_stage, make_schedule, ulysses_attention, upipe_attention
 from megatron_upipe.attention.layout import cp_rank_positions
 from megatron_upipe.attention.reference import reference_attention, rope_angles
-from megatron_upipe.memory.attention_model import AttentionShape, attention_memory
-from megatron_upipe.memory.tracker import PeakMemoryTracker
+from megatron_upipe.memory_accounting.attention_model import AttentionShape, attention_memory
+from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
 # relative-norm tolerance of the numerics check against the float64 reference

@@ -378,7 +378,7 @@ class MemoryConfig:
     # [s, b, vocab/tp] logits never exist). 1 = off.
     loss_chunks: int = 1
     # Keep each checkpointed layer input (the one tensor full recompute saves per layer) in host memory until that
-    # layer's backward: pinned memory on CUDA, copied on a side stream (megatron_upipe.memory_stack). Needs
+    # layer's backward: pinned memory on CUDA, copied on a side stream (megatron_upipe.memory_switches). Needs
     # recompute=full.
     offload_checkpoints: bool = False
     # UPipe/Ulysses backward accumulates dx over head stages and dK/dV over a KV round in float32 ("fp32": one
@@ -421,7 +421,7 @@ class MemoryConfig:
     # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).
     plan_check: bool = False
     # Host RAM per node in GiB, checked at start-up against the planned host memory (offload pool, checkpoint staging,
-    # stated margins; megatron_upipe/memory_stack/host_budget.py); it can lower, not raise, what the node gives at
+    # stated margins; megatron_upipe/memory_switches/host_budget.py); it can lower, not raise, what the node gives at
     # start-up (the least of MemAvailable and the cgroup's room). null = what the node gives; the memory planner then
     # assumes 2010 (a DGX H100/H200 node's MemTotal, derived from its 2,048 GiB; host_budget.PLANNER_HOST_GIB).
     host_mem_gib: float | None = None

@@ -169,7 +169,7 @@ def check_data(config: Config, arch: LlamaArch, errors: list[str]) -> int | None
 
 
 def check_sharding(config: Config, arch: LlamaArch, dp: int, errors: list[str], warnings: list[str]) -> None:
-    """Fully sharded model states (memory_stack.sharding)."""
+    """Fully sharded model states (memory_switches.sharding)."""
     p, t, mem = config.parallel, config.train, config.memory
     if mem.fsdp_grads_dtype == "bf16" and not mem.shard_model_states:
         errors.append("memory.fsdp_grads_dtype=bf16 sets Megatron-FSDP's gradient dtype, but "

@@ -97,7 +97,7 @@ class LlamaStage:
     plan: CPPlan
     vocab_size: int  # tokenizer's
     padded_vocab_size: int
-    offloader: object | None = None  # memory_stack HostOffloader holding the checkpointed layer inputs, if any
+    offloader: object | None = None  # memory_switches HostOffloader holding the checkpointed layer inputs, if any
 
 
 class RankRowsRotaryEmbedding(torch.nn.Module):
@@ -154,7 +154,7 @@ def build_llama(
     """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`.
 
     mlp_chunks / loss_chunks: `memory.mlp_chunks` / `memory.loss_chunks` (1 = megatron-core's plain modules).
-    offloader: `memory.offload_checkpoints` - a `megatron_upipe.memory_stack.offload.HostOffloader` (or the memory
+    offloader: `memory.offload_checkpoints` - a `megatron_upipe.memory_switches.offload.HostOffloader` (or the memory
     planner's SimulatedHostOffloader) that keeps each checkpointed layer input until its backward; needs the
     config's full recompute. None = off. attention_grad_accum: `memory.attention_grad_accum` of the UPipe/Ulysses op.
     upipe_overlap: `memory.upipe_overlap`, the UPipe op's pipelined stages. ring_overlap: `memory.ring_overlap`,
@@ -200,11 +200,11 @@ def build_llama(
             for layer in model.decoder.layers:
                 layer.self_attention.fuse_input_norm(layer.input_layernorm)
     if config.recompute_granularity == "full":
-        from megatron_upipe.memory_stack.recompute_output import drop_recomputed_outputs
+        from megatron_upipe.memory_switches.recompute_output import drop_recomputed_outputs
 
         drop_recomputed_outputs(model, config)
     if offloader is not None:
-        from megatron_upipe.memory_stack.checkpoint_offload import attach_checkpoint_offload
+        from megatron_upipe.memory_switches.checkpoint_offload import attach_checkpoint_offload
 
         attach_checkpoint_offload(model, offloader)
     return LlamaStage(model=model, config=config, plan=plan, vocab_size=vocab, padded_vocab_size=padded,

@@ -5,7 +5,7 @@ fragmentation on top, then the CUDA context and NCCL buffers (outside PyTorch's 
 reported capacity (devices.py says where each capacity and margin comes from). Every term is a named entry of the
 breakdown so a reader can see what decides the verdict. A plan fits when the device and the host fit: host memory
 per rank and per node (the offload pool as simulated, checkpoint-save staging, stated margins; see
-memory_stack/host_budget.py) against memory.host_mem_gib per node.
+memory_switches/host_budget.py) against memory.host_mem_gib per node.
 
 Strategies are named `none`, `ulysses`, `upipe` (smallest legal U) or `upipe:U`. `none` means no context
 parallelism (cp = 1, the spare ranks become data parallel); it runs our attention op with C = 1, i.e. flash
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from megatron_upipe.attention.schedule import make_schedule
 from megatron_upipe.config import Config, load_config, validate
-from megatron_upipe.memory_stack.host_budget import PLANNER_HOST_GIB, PLANNER_RANKS_PER_NODE, HostPlan, plan_host_memory
+from megatron_upipe.memory_switches.host_budget import PLANNER_HOST_GIB, PLANNER_RANKS_PER_NODE, HostPlan, plan_host_memory
 from megatron_upipe.planner.devices import GIB, Margins
 from megatron_upipe.planner.depth import simulate_deep
 from megatron_upipe.planner.simulate import StepMemory, planned_kernel_name
@@ -78,7 +78,7 @@ class Estimate:
     tracked_bytes: int = 0  # the simulated step's live-tensor peak (what a tracker or max_memory_allocated sees)
     device_bytes: int = 0  # tracked, with the attention workspace where it lands: before margins
     named: tuple = ()  # (category, allocation site, bytes) of the large storages alive at the deciding peak
-    host_breakdown: dict = field(default_factory=dict)  # per rank, by name (memory_stack/host_budget.py)
+    host_breakdown: dict = field(default_factory=dict)  # per rank, by name (memory_switches/host_budget.py)
     host_bytes_per_node: int = 0  # per rank x ranks per node + the OS margin
     host_mem_bytes: int = 0  # host RAM per node it is checked against
     host_fits: bool = True
@@ -155,7 +155,7 @@ def format_time(est: Estimate, world_size: int, hw: Hardware) -> str:
 
 
 def plan_host(cfg: Config, world_size: int, vocab_size: int, step: StepMemory) -> HostPlan:
-    """Host memory of the plan (memory_stack/host_budget.py) with the offload pool as the simulated offloader
+    """Host memory of the plan (memory_switches/host_budget.py) with the offload pool as the simulated offloader
     allocated it; PLANNER_RANKS_PER_NODE ranks per node (fewer if the world is smaller), memory.host_mem_gib per
     node, else PLANNER_HOST_GIB."""
     host = plan_host_memory(cfg, validate(cfg, world_size), vocab_size, bf16=cfg.train.bf16 is not False, cuda=True,

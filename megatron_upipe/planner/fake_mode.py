@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
 
-from megatron_upipe.memory.tracker import tensors_in
+from megatron_upipe.memory_accounting.tracker import tensors_in
 
 # Metadata queries C++ code makes of a fake tensor (prim.device, sizes, strides, storage offset), answered by
 # FakeTensorMode's own handlers: no tensor in, none out, no memory

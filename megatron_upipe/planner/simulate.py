@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_upipe.config import Config, validate
-from megatron_upipe.memory.tracker import PeakMemoryTracker
+from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 from megatron_upipe.planner.fake_mode import PlannerFakeMode
 from megatron_upipe.planner.step_time import WorkCounter
 
@@ -106,7 +106,8 @@ def _retag_layer_inputs(model, tracker: PeakMemoryTracker):
     return handles
 
 
-_NOT_SITES = ("megatron_upipe/compat/", "megatron_upipe/memory/tracker.py", "megatron_upipe/planner/fake_mode.py")
+_NOT_SITES = ("megatron_upipe/compat/", "megatron_upipe/memory_accounting/tracker.py",
+              "megatron_upipe/planner/fake_mode.py")
 
 
 def allocation_site() -> str:
@@ -242,7 +243,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     """Build this rank's stage as the training job does and track one step (on real or fake tensors alike; under
     `fake`, the running PlannerFakeMode, the tracker is fed by it)."""
     from megatron_upipe.compat.fsdp import steady_state
-    from megatron_upipe.memory_stack.sharding import is_fully_sharded
+    from megatron_upipe.memory_switches.sharding import is_fully_sharded
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.step import forward_backward
     from megatron_upipe.training.optim import build_optimizer, wrap_model
@@ -290,8 +291,8 @@ def preload() -> None:
 
     import megatron_upipe.attention.kernels  # noqa: F401
     import megatron_upipe.compat.fsdp as fsdp
-    import megatron_upipe.memory_stack.offload  # noqa: F401
-    import megatron_upipe.memory_stack.sharding  # noqa: F401
+    import megatron_upipe.memory_switches.offload  # noqa: F401
+    import megatron_upipe.memory_switches.sharding  # noqa: F401
     import megatron_upipe.models.llama  # noqa: F401
     import megatron_upipe.parallel  # noqa: F401
     import megatron_upipe.step  # noqa: F401
@@ -367,7 +368,7 @@ def _planned_kernel(config: Config):
 def _memory_kwargs(config: Config, plan, bf16: bool) -> dict:
     """build_llama's memory switches, as the training job sets them (rank 0: pipeline stage 0), with host copies
     only counted."""
-    from megatron_upipe.memory_stack.offload import SimulatedHostOffloader
+    from megatron_upipe.memory_switches.offload import SimulatedHostOffloader
     from megatron_upipe.training.build import memory_switches
 
     return memory_switches(config, plan, bf16, SimulatedHostOffloader)
@@ -390,7 +391,7 @@ def tracked_step(mem: StorageTracker, model, ddp, optimizer, fake: PlannerFakeMo
         yield register_model_states(mem, model, ddp, optimizer)
 
 
-# Megatron-FSDP's tensors (memory_stack.sharding.fsdp_state_tensors kinds) -> breakdown categories
+# Megatron-FSDP's tensors (memory_switches.sharding.fsdp_state_tensors kinds) -> breakdown categories
 _FSDP_KINDS = {"params": "params", "main_params": "optimizer", "main_grads": "grads",
                "gathered_params": FSDP_GATHERED, "grad_buckets": FSDP_GRAD_BUCKETS}
 
@@ -399,7 +400,7 @@ def register_model_states(mem: StorageTracker, model, ddp, optimizer) -> int:
     """Count the stage's parameters, gradient buffers and optimizer tensors (made before tracking) as model
     states - megatron-core DDP's buffers, or Megatron-FSDP's sharded buffers and whichever unsharded buckets are
     allocated now; returns their bytes."""
-    from megatron_upipe.memory_stack.sharding import fsdp_state_tensors, is_fully_sharded
+    from megatron_upipe.memory_switches.sharding import fsdp_state_tensors, is_fully_sharded
 
     before = mem.live_bytes
     if is_fully_sharded(ddp):

@@ -24,8 +24,8 @@ import torch
 from megatron_upipe.checkpoint.sources import CONVERTED, TRAINING, Source, classify_source, weights_mismatch
 from megatron_upipe.config import Config, Plan
 from megatron_upipe.data.tokenizers import Tokenizer
-from megatron_upipe.memory_stack.host_budget import host_memory_refusal, offload_pool_bytes
-from megatron_upipe.memory_stack.offload import HostOffloader
+from megatron_upipe.memory_switches.host_budget import host_memory_refusal, offload_pool_bytes
+from megatron_upipe.memory_switches.offload import HostOffloader
 from megatron_upipe.models.llama import LlamaStage, build_llama, llama_transformer_config
 from megatron_upipe.models.presets import LlamaArch
 from megatron_upipe.training import checkpointing
@@ -124,7 +124,7 @@ def load_initial_weights(stage: LlamaStage, source: Source, pg) -> None:
 def memory_switches(config: Config, plan: Plan, bf16: bool, offloader_cls=HostOffloader, pp_rank: int = 0) -> dict:
     """build_llama's keyword arguments for the memory.* switches (also the memory planner's, which passes a
     SimulatedHostOffloader). The offloader's host pool holds exactly the layer inputs of pipeline stage `pp_rank`
-    alive at once (memory_stack/host_budget.py)."""
+    alive at once (memory_switches/host_budget.py)."""
     m = config.memory
     pool = offload_pool_bytes(config, plan, 2 if bf16 else 4, pp_rank)
     return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks, "attention_grad_accum": m.attention_grad_accum,

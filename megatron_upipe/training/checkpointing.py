@@ -16,7 +16,7 @@ Formats (train_state.json's "format"; a checkpoint without the field is "dist_ch
   and the LR schedule. Weights and optimizer state are resharded on load, so such a checkpoint loads into another
   TP/PP/CP/DP layout (the optimizer must be the non-distributed one, see optim.py).
 - "fsdp_per_rank" (memory.shard_model_states=true, Megatron-FSDP; dist_checkpointing refuses its optimizer, see
-  memory_stack/sharding.py): `fsdp/rank00000.pt` ... one torch.save file per rank holding exactly what that rank
+  memory_switches/sharding.py): `fsdp/rank00000.pt` ... one torch.save file per rank holding exactly what that rank
   owns: its slices of Megatron-FSDP's flat buffers (compute parameters, fp32 main parameters; gradients are not
   state between steps), the local parts of Adam's exp_avg / exp_avg_sq and its step counts keyed by parameter name
   (a parameter whose local slice is empty has no Adam state on that rank), the optimizer's hyper-parameter groups

@@ -203,7 +203,7 @@ def _load_fsdp(state, ckpt: Path) -> None:
             inner.state[p] = st
         elif action[0] == "scaler" and action[2] is not None:
             action[1].grad_scaler.load_state_dict(action[2])
-    from megatron_upipe.memory_stack.sharding import zero_buffer_padding
+    from megatron_upipe.memory_switches.sharding import zero_buffer_padding
 
     zero_buffer_padding(state.ddp)  # a checkpoint saved before the padding was zeroed holds allocator leftovers there
     # A parameter bucket still gathered from the old weights would be used as is by the next forward: release it.

@@ -42,8 +42,8 @@ def wrap_model(model, tconfig, config: Config, *, float16_module: bool = True):
     from megatron.core.transformer.module import Float16Module
 
     module = Float16Module(tconfig, model) if tconfig.bf16 and float16_module else model
-    if config.memory.shard_model_states:  # ZeRO-3 over dp x cp (Megatron-FSDP), see megatron_upipe.memory_stack
-        from megatron_upipe.memory_stack.sharding import wrap_fully_sharded
+    if config.memory.shard_model_states:  # ZeRO-3 over dp x cp (Megatron-FSDP), see megatron_upipe.memory_switches
+        from megatron_upipe.memory_switches.sharding import wrap_fully_sharded
 
         if config.memory.fsdp_grads_dtype == "bf16" and not tconfig.bf16:
             raise ValueError("memory.fsdp_grads_dtype=bf16 needs bf16 training, but this run computes in float32 "

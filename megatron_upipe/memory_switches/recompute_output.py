@@ -45,7 +45,7 @@ def _drop_output(layer, args, output):
 
 def require_per_layer_recompute(config, what: str) -> None:
     """ValueError naming `what` unless `config` (a TransformerConfig) runs megatron-core's full recompute with one
-    layer per checkpoint, the one setting the memory_stack hooks are written for."""
+    layer per checkpoint, the one setting the memory_switches hooks are written for."""
     if config.recompute_granularity != "full" or config.recompute_method != "uniform" \
             or config.recompute_num_layers != 1:
         raise ValueError(

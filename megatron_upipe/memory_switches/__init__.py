@@ -1,4 +1,5 @@
-"""Memory switches around megatron-core: host offload of checkpointed layer inputs, fully sharded model states.
+"""Memory switches around megatron-core (the memory.* settings): host offload of checkpointed layer inputs, fully
+sharded model states, and the host memory they need. Measured and modelled in memory_accounting/; planned in planner/.
 
 offload.py             HostOffloader: the one device<->host road, with a ledger of host bytes (live, peak, reserved)
 pinned_pool.py         its one host buffer per rank: exact size, pinned in place, sliced into the offloaded tensors

@@ -1,4 +1,4 @@
-"""Test harness for megatron_upipe.memory_stack: a tiny Llama trained on gloo ranks with the memory switches.
+"""Test harness for megatron_upipe.memory_switches: a tiny Llama trained on gloo ranks with the memory switches.
 
 Like tests/llama_harness.run_layout (same HF-named weights, global batch, megatron-core schedule, finalize_model_grads
 and optimizer), plus: megatron-core full recompute, host offload of the checkpointed layer inputs, and fully sharded
@@ -55,9 +55,9 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
 
     from megatron_upipe.checkpoint.hf_convert import load_hf_into_model
     from megatron_upipe.cp_batch import split_batch
-    from megatron_upipe.memory.tracker import PeakMemoryTracker
-    from megatron_upipe.memory_stack.offload import HostOffloader
-    from megatron_upipe.memory_stack.sharding import fsdp_buffer_bytes, optimizer_state_bytes, wrap_fully_sharded
+    from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
+    from megatron_upipe.memory_switches.offload import HostOffloader
+    from megatron_upipe.memory_switches.sharding import fsdp_buffer_bytes, optimizer_state_bytes, wrap_fully_sharded
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
     from tests.llama_harness import _gather_stage, _loss_func

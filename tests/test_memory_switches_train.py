@@ -17,7 +17,7 @@ SWITCHES = ["memory.recompute=full", "memory.offload_checkpoints=true", "memory.
 
 
 def _job(rank, world_size, tmp):
-    from megatron_upipe.memory_stack import offload, sharding
+    from megatron_upipe.memory_switches import offload, sharding
 
     calls = {"to_host": 0, "wrap_fully_sharded": 0}  # spies: the switches must reach the training job
 
@@ -40,7 +40,7 @@ def _job(rank, world_size, tmp):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("memory_stack")
+    tmp = tmp_path_factory.mktemp("memory_switches")
     for rank, (*runs, calls) in enumerate(run_on_ranks(_job, 2, str(tmp))):
         for code, err in runs:
             assert code == 0, f"rank {rank}: exit {code}\n{err}"

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megatron_upipe.attention import ulysses_attention, upipe_attention
 from megatron_upipe.attention.reference import rope_angles
-from megatron_upipe.memory.attention_model import AttentionShape
-from megatron_upipe.memory.tracker import PeakMemoryTracker
+from megatron_upipe.memory_accounting.attention_model import AttentionShape
+from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
 
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from megatron_upipe.memory_stack.pinned_pool import HostPool, Range, RangeAllocator, _size
+from megatron_upipe.memory_switches.pinned_pool import HostPool, Range, RangeAllocator, _size
 
 log = logging.getLogger(__name__)
 

@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Reading the node's memory lives in node_memory.py; these names stay importable from here (tests, the planner).
-from megatron_upipe.memory_stack.node_memory import (GIB, NodeMemory, gpu_numa_nodes, local_gpu_bus_ids,
+from megatron_upipe.memory_switches.node_memory import (GIB, NodeMemory, gpu_numa_nodes, local_gpu_bus_ids,
                                                      read_node_memory)
-from megatron_upipe.memory_stack.pinned_pool import aligned
+from megatron_upipe.memory_switches.pinned_pool import aligned
 
 if TYPE_CHECKING:
     from megatron_upipe.config import Config, Plan

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from megatron_upipe.memory_stack.offload import HostOffloader
-from megatron_upipe.memory_stack.recompute_output import require_per_layer_recompute
+from megatron_upipe.memory_switches.offload import HostOffloader
+from megatron_upipe.memory_switches.recompute_output import require_per_layer_recompute
 
 
 class CheckpointOffload:
@@ -83,7 +83,7 @@ class CheckpointOffload:
             self._pop()
             raise RuntimeError(
                 "megatron-core's checkpoint saved a tensor other than the layer input first "
-                f"(shape {tuple(t.shape)}); megatron_upipe.memory_stack.checkpoint_offload needs updating"
+                f"(shape {tuple(t.shape)}); megatron_upipe.memory_switches.checkpoint_offload needs updating"
             )
         self._pending = None
         self._pop()  # the remaining saved tensors (RoPE angles, shared by all layers) stay where they are

@@ -1,1 +1,0 @@
-"""Peak-memory tracking (tracker) and the closed-form memory model of the attention ops (attention_model)."""
