@@ -27,19 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_upipe.checkpoint.sources import LATEST, TRAIN_META, CheckpointError
+from megatron_upipe.checkpoint.sources import LATEST, CheckpointError, complete_checkpoints
 
 LOCK = "LOCK"
-
-
-def complete_checkpoints(root: str | Path) -> list[str]:
-    """Names of the complete checkpoints (iter_* with train_state.json) in `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    names = [p.name for p in root.iterdir() if p.name.startswith("iter_") and p.name[5:].isdigit()
-             and (p / TRAIN_META).is_file()]
-    return sorted(names, key=lambda n: int(n[5:]))
 
 
 def overwrite_refusal(config) -> str | None:
@@ -48,7 +38,7 @@ def overwrite_refusal(config) -> str | None:
     c = config.checkpoint
     if c.dir is None or c.resume is not False or c.overwrite:
         return None
-    found = complete_checkpoints(c.dir)
+    found = [p.name for p in reversed(complete_checkpoints(Path(c.dir)))]  # oldest first
     if not found and not (Path(c.dir) / LATEST).is_file():
         return None
     shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
@@ -63,7 +53,7 @@ def superseded_checkpoints(config) -> list[str]:
     c = config.checkpoint
     if c.dir is None or c.resume is not False or not c.overwrite:
         return []
-    return complete_checkpoints(c.dir)
+    return [p.name for p in reversed(complete_checkpoints(Path(c.dir)))]
 
 
 def _pid_start(pid: int, proc: Path = Path("/proc")) -> str | None:

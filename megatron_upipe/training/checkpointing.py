@@ -82,7 +82,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -113,7 +112,6 @@ from megatron_upipe.training.checkpoint_manifest import ResumePoint, resume_chec
 from megatron_upipe.training.checkpoint_rng import _numpy_state_as_tensor, _numpy_state_from_saved  # noqa: F401
 from megatron_upipe.training.fsdp_checkpoint import load_fsdp_model_buffers  # noqa: F401
 
-_ITER = re.compile(r"^iter_(\d{7,})$")
 EXIT_SAVE_FAILED = 6  # pretrain_llama.py's exit status when a checkpoint could not be saved
 
 
@@ -244,9 +242,7 @@ def _write_rank_files(state, tmp: Path, fmt: str) -> None:
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints (never the one `latest` names)."""
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
-    done = sorted((p for p in root.iterdir() if _ITER.match(p.name) and (p / META).is_file()),
-                  key=lambda p: int(_ITER.match(p.name).group(1)))
-    removed = [p for p in done[:-keep_last] if p.name != latest]
+    removed = [p for p in sources.complete_checkpoints(root)[keep_last:] if p.name != latest]  # newest first
     for p in removed:
         shutil.rmtree(p)
     return removed
@@ -256,8 +252,9 @@ def remove_checkpoints(root: Path, names: list[str]) -> None:
     """Delete the named complete checkpoints of `root` (checkpoint.overwrite=true: an earlier run's), never the one
     `latest` names."""
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    complete = {p.name for p in sources.complete_checkpoints(root)}
     for name in names:
-        if name != latest and _ITER.match(name) and (root / name).is_dir():
+        if name != latest and name in complete:
             shutil.rmtree(root / name)
 
 
