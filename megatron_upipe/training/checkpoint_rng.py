@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_upipe.checkpoint.sources import CheckpointError
+from megatron_upipe.training.agree import largest_on_any_rank
 from megatron_upipe.training.checkpoint_files import load_own_file
 
 
@@ -57,9 +58,7 @@ def _read_rng_file(state, ckpt: Path, meta: dict) -> dict | None:
         rng = load_own_file(rng_file) if rng_file.is_file() else None
     except CheckpointError as e:
         problem = e
-    bad = torch.tensor([problem is not None], dtype=torch.int64, device=state.groups.device)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if bad.item():
+    if largest_on_any_rank([problem is not None], state.groups.device)[0]:
         raise problem or CheckpointError(f"checkpoint {ckpt}: another rank's RNG file is not plain data (see its "
                                          f"message); refusing to load it")
     return rng

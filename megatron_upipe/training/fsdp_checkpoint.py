@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_upipe.checkpoint.sources import CheckpointError
+from megatron_upipe.training.agree import largest_on_any_rank
 from megatron_upipe.training.checkpoint_compat import FORMAT_FSDP
 from megatron_upipe.training.checkpoint_files import load_own_file
 
@@ -159,9 +160,7 @@ def _read_rank_file(ckpt: Path, plan, device) -> tuple[dict | None, list]:
         actions, problems = plan(saved)
     else:
         saved, actions, problems = None, [], [f"{path} is missing"]
-    bad = torch.tensor([len(problems)], dtype=torch.int64, device=device)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank reaches the same verdict before any copy
-    if bad.item():
+    if largest_on_any_rank([len(problems)], device)[0]:  # every rank reaches the same verdict before any copy
         raise CheckpointError(f"checkpoint {ckpt} ({FORMAT_FSDP}) does not fit this run's fully sharded states; "
                               f"refusing to load it:\n- " + ("\n- ".join(problems) if problems else
                                                               "another rank's shards differ (see its message)"))

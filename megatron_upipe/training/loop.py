@@ -28,6 +28,7 @@ from megatron_upipe.training.metrics import device_peak_flops, peak_memory, step
 from megatron_upipe.training.optim import current_lr
 from megatron_upipe.training.schedule import schedule_line
 from megatron_upipe.training import deadline
+from megatron_upipe.training.agree import largest_on_any_rank
 from megatron_upipe.training.signals import StopOnSignal, StoppedBySignal
 
 
@@ -152,13 +153,6 @@ def _job_deadline(state, predicted: dict | None) -> deadline.Deadline | None:
     return box[0]
 
 
-def _agreed(flag: bool, device: torch.device) -> bool:
-    """Whether any rank says `flag` (one all-reduce)."""
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def run(state) -> None:
     """Train from state.step to train.steps with evaluation, metrics and checkpoints; with checkpoint.dir and
     checkpoint.save_on_signal, SIGTERM / SIGUSR1 / SIGINT stop it at a step boundary with a checkpoint (signals.py)."""
@@ -229,8 +223,10 @@ def _run(state, stop: StopOnSignal | None = None) -> None:
             _save(state)
             if limit is not None:
                 limit.save_s.append(time.perf_counter() - save_start)
-        if stop is not None and not final and (signum := stop.agreed(groups.device)):
-            _stop(state, signum)
-        if limit is not None and not final and _agreed(limit.must_stop(deadline.now()), groups.device):
-            _stop(state, 0)  # another step and its save would pass the deadline: save this one and stop
+        if not final and (stop is not None or limit is not None):  # one collective for both verdicts
+            signum, out_of_time = largest_on_any_rank(
+                [stop.received if stop is not None else 0, limit is not None and limit.must_stop(deadline.now())],
+                groups.device)
+            if signum or out_of_time:
+                _stop(state, signum)  # 0: another step and its save would pass the deadline: save this one, stop
     log.summary()

@@ -32,7 +32,8 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
+
+from megatron_upipe.training.agree import largest_on_any_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_STOPPED = 5  # pretrain_llama.py's exit status after a stop on signal
@@ -84,9 +85,7 @@ class StopOnSignal:
 
     def agreed(self, device: torch.device, group=None) -> int:
         """Collective over `group` (default: all ranks): the largest signal number any rank recorded, 0 if none."""
-        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return int(flag.item())
+        return largest_on_any_rank([self.received], device, group)[0]
 
 
 @contextlib.contextmanager
