@@ -52,6 +52,16 @@ def _checks(rank, world_size):
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() == 0
 
+    # 5. Megatron-FSDP's coalesced all-gathers leave their block complete: no asynchronous work outstanding
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    shard, gathered = torch.arange(3.0), torch.zeros(3)
+    with pgb._coalescing_manager(dist.group.WORLD, async_ops=True) as handle:
+        dist.all_gather_into_tensor(gathered, shard, async_op=True)
+    assert handle.works == [] and torch.equal(gathered, shard), handle.works
+    handle.wait()
+
     # 2. RNG tracker on the CPU generator (needs megatron's parallel state)
     from megatron.core import tensor_parallel
 

@@ -18,6 +18,8 @@ pipeline schedules, dist_checkpointing - runs unchanged on CPU. What is patched 
 3. `Tensor.type()` without arguments reports CPU tensors as `torch.cuda.*Tensor`, because the optimizer and grad
    clipping assert `param.grad.type() == 'torch.cuda.FloatTensor'`.
 4. Streams, events, `synchronize`, `empty_cache` and memory statistics become no-op stand-ins.
+5. Megatron-FSDP's coalesced parameter all-gathers complete inside their coalescing block on gloo
+   (compat/fsdp.py `gathers_complete_in_block`): issued asynchronously there, they crashed ranks now and then.
 
 Not patched here (handled where it belongs): megatron's local norm refuses sequence parallelism; our spec uses
 `megatron_upipe.models.norm.RMSNorm`, whose weight is marked `sequence_parallel` (GPU or CPU alike). Loading a
@@ -191,5 +193,8 @@ def install_cpu_patches(force: bool = False) -> bool:
     _patch_rng()
     _patch_tensor_type()
     _patch_streams()
+    from megatron_upipe.compat.fsdp import gathers_complete_in_block
+
+    gathers_complete_in_block()
     _INSTALLED = True
     return True
