@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -43,7 +42,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the counts, the fit and the predictions here")
     p.add_argument("--jobs", type=int, default=default_jobs())
     a = p.parse_args(argv)
-    warnings.filterwarnings("ignore")
     try:
         source = ConfigSource(a.config, ())
         config = source.load()
@@ -102,4 +100,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_upipe.console import quiet_third_party
+
+    quiet_third_party(cuda=False, tool=True)  # the known-harmless notices only (megatron-core is imported in main())
     sys.exit(main())
