@@ -68,8 +68,8 @@ def measure_real(config, world_size: int, vocab: int, *, bf16: bool):
         destroy_parallel()
 
 
-def _real(rank, world_size, case):
-    return measure_real(_config(case), world_size, VOCAB, bf16=False)
+def _real_all(rank, world_size):
+    return {case: measure_real(_config(case), world_size, VOCAB, bf16=False) for case in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +77,15 @@ def simulated():
     return run_on_ranks(_simulate_all, 1)[0]
 
 
+@pytest.fixture(scope="module")
+def real_runs():
+    """Every case's real step, one after another in one world of 2 ranks (one spawn)."""
+    return run_on_ranks(_real_all, 2)[0]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_simulation_matches_real_run_within_1_percent(simulated, case):
-    real = run_on_ranks(_real, 2, case)[0]
+def test_simulation_matches_real_run_within_1_percent(simulated, real_runs, case):
+    real = real_runs[case]
     sim = simulated[case]
     err = abs(sim.peak_bytes - real.peak_bytes) / real.peak_bytes
     assert err < 0.01, f"{case}: simulated {sim.peak_bytes} vs real {real.peak_bytes} ({err:.2%})"

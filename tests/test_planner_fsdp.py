@@ -46,24 +46,40 @@ def _simulate_all(rank, world_size):
     for case, (world, _) in CASES.items():
         start = time.perf_counter()
         out[case] = (simulate_step(_config(case), world, VOCAB), time.perf_counter() - start)
-    return out
+    return out, _plan_both_settings()
 
 
-def _real(rank, world_size, case):
+def _real_all(rank, world_size):
     from tests.test_planner import measure_real
 
-    return measure_real(_config(case), world_size, VOCAB, bf16=True)
+    return {case: measure_real(_config(case), world_size, VOCAB, bf16=True) for case, (world, _) in CASES.items()
+            if world == world_size}
 
 
 @pytest.fixture(scope="module")
-def simulated():
+def simulations():
+    """The cases' simulated steps, and the two FSDP settings' plans (test_tamed_...): one spawn."""
     return run_on_ranks(_simulate_all, 1)[0]
 
 
+@pytest.fixture(scope="module")
+def simulated(simulations):
+    return simulations[0]
+
+
+@pytest.fixture(scope="module")
+def real_runs():
+    """Every case's real step, one after another in one world per size (one spawn each)."""
+    runs = {}
+    for world in sorted({w for w, _ in CASES.values()}):
+        runs.update(run_on_ranks(_real_all, world)[0])
+    return runs
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_simulation_matches_real_run_within_1_percent(simulated, case):
+def test_simulation_matches_real_run_within_1_percent(simulated, real_runs, case):
     sim, seconds = simulated[case]
-    real = run_on_ranks(_real, CASES[case][0], case)[0]
+    real = real_runs[case]
     err = abs(sim.peak_bytes - real.peak_bytes) / real.peak_bytes
     assert err < 0.01, f"{case}: simulated {sim.peak_bytes} vs real {real.peak_bytes} ({err:.2%}), {seconds:.0f} s"
     assert sim.model_state_bytes == real.model_state_bytes
@@ -210,31 +226,34 @@ def _gradients_job(rank, world_size, overrides):
         destroy_parallel()
 
 
+def _gradients_jobs(rank, world_size, runs):
+    return [_gradients_job(rank, world_size, overrides) for overrides in runs]
+
+
 def test_fsdp_settings_give_ddp_gradients():
     """Same weights (the seeded CPU initialisation), same micro-batches: every parameter's reduced gradient has the
-    squared norm of DDP's, in float64 (float32 gradients summed in other orders)."""
-    ddp = run_on_ranks(_gradients_job, 2, [])[0]
-    for overrides in (TAMED, MEGATRON):
-        fsdp = run_on_ranks(_gradients_job, 2, [*FSDP, *overrides])[0]
+    squared norm of DDP's, in float64 (float32 gradients summed in other orders). The three runs share one world."""
+    ddp, *sharded = run_on_ranks(_gradients_jobs, 2, [[], [*FSDP, *TAMED], [*FSDP, *MEGATRON]])[0]
+    for overrides, fsdp in zip((TAMED, MEGATRON), sharded, strict=True):
         assert set(fsdp) == set(ddp)
         for name, sq in ddp.items():
             assert fsdp[name] == pytest.approx(sq, rel=1e-6), (overrides, name)
 
 
-def _plan_both_settings(rank, world_size):
+def _plan_both_settings():
+    """(in _simulate_all's process, after it destroyed the default group)"""
     from megatron_upipe.planner.simulate import simulate_step
 
-    torch.distributed.destroy_process_group()
     base = [*BASE, "model.num_layers=6", "parallel.cp=2", "parallel.cp_strategy=upipe", *FSDP]
     return {name: simulate_step(load_config(None, base + ov), 2, VOCAB).breakdown
             for name, ov in (("tamed", TAMED), ("megatron", MEGATRON))}
 
 
-def test_tamed_settings_bound_megatron_fsdp_buffers_in_the_plan():
+def test_tamed_settings_bound_megatron_fsdp_buffers_in_the_plan(simulations):
     """Six layers: with megatron-core's defaults the whole model is all-gathered at the peak (5e8 elements of
     prefetch); with one layer's unit at most two layers' gradient buckets and two gathered layers besides the LM
     head's group are alive there."""
-    plans = run_on_ranks(_plan_both_settings, 1)[0]
+    plans = simulations[1]
     # bf16 weights, fp32 gradients of one tiny-gqa layer (unsharded, as Megatron-FSDP gathers it), and of the
     # embedding / LM head (256 x 64 each)
     layer = 64 * 96 + 64 * 64 + 64 * 320 + 160 * 64 + 2 * 64
