@@ -95,9 +95,21 @@ def _job(rank, world_size):
     return checked, mismatches
 
 
+def _two_rank_jobs(rank, world_size):
+    return {"bits": _job(rank, world_size), "reference": _reference_job(rank, world_size),
+            "inflight": _inflight_job(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The module's three jobs on 2 ranks, one after another in one world (one spawn): name -> per-rank results."""
+    per_rank = run_on_ranks(_two_rank_jobs, 2)
+    return {name: [per[name] for per in per_rank] for name in per_rank[0]}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_pipelined_stages_equal_serial_bit_for_bit(world_size):
-    for checked, mismatches in run_on_ranks(_job, world_size):
+def test_pipelined_stages_equal_serial_bit_for_bit(two_ranks, world_size):
+    for checked, mismatches in (two_ranks["bits"] if world_size == 2 else run_on_ranks(_job, world_size)):
         assert checked > 40 and not mismatches, mismatches[:10]
 
 
@@ -137,8 +149,8 @@ def _reference_job(rank, world_size):
     return rel
 
 
-def test_pipelined_stages_match_a_float64_reference():
-    for rel in run_on_ranks(_reference_job, 2):
+def test_pipelined_stages_match_a_float64_reference(two_ranks):
+    for rel in two_ranks["reference"]:
         assert max(rel) < 1e-12, rel
 
 
@@ -205,12 +217,12 @@ def _inflight_job(rank, world_size):
     return out
 
 
-def test_pipelined_collectives_are_in_flight_during_the_kernels_within_the_memory_bound():
+def test_pipelined_collectives_are_in_flight_during_the_kernels_within_the_memory_bound(two_ranks):
     """With overlap every kernel but each pass's last runs while the next stage's all-to-alls are in flight (the
     serial op starts none asynchronously); the extra peak memory is at most what the next stage holds early:
     its inputs in flight, send and receive buffers (q, out and dout slices in backward, B_q bytes each; at a KV
     round's boundary K and V, B_kv each) and its gathered weight rows (W bytes, small): 6·B_q + 4·B_kv + 2·W."""
-    for per_rank in run_on_ranks(_inflight_job, 2):
+    for per_rank in two_ranks["inflight"]:
         for U in sorted({k[0] for k in per_rank}):
             B_q, B_kv, stages, rounds = per_rank[(U, "bytes")]
             serial_calls, serial_state, serial_peak = per_rank[(U, False)]

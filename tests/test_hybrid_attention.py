@@ -67,11 +67,26 @@ CASES = [  # (A, R, H, G, N, strategies)
 ]
 
 
-@pytest.mark.parametrize("A, R, H, G, N, strategies", CASES, ids=[f"{c[0]}x{c[1]}-H{c[2]}G{c[3]}-N{c[4]}"
-                                                                for c in CASES])
+def _cases_job(rank, world_size, runs):
+    """Every (case index, dtype) of `runs` that has this world size, one after another in one world."""
+    return {(i, str(dtype)): _job(rank, world_size, *CASES[i][:5], dtype, CASES[i][5]) for i, dtype in runs}
+
+
+@pytest.fixture(scope="module")
+def case_results():
+    """(case index, dtype name) -> each rank's errors: one spawned world per world size (4 and 2 ranks)."""
+    out = {}
+    for world in sorted({A * R for A, R, *_ in CASES}, reverse=True):
+        runs = [(i, dtype) for i, (A, R, *_) in enumerate(CASES) if A * R == world for dtype in TOL]
+        per_rank = run_on_ranks(_cases_job, world, runs)
+        out.update({key: [per[key] for per in per_rank] for key in per_rank[0]})
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{c[0]}x{c[1]}-H{c[2]}G{c[3]}-N{c[4]}" for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_hybrid_equals_full_attention(A, R, H, G, N, strategies, dtype):
-    results = run_on_ranks(_job, A * R, A, R, H, G, N, dtype, strategies)
+def test_hybrid_equals_full_attention(case_results, i, dtype):
+    results = case_results[(i, str(dtype))]
     for rank, per in enumerate(results):
         for name, errs in per.items():
             assert max(errs) < TOL[dtype], (rank, name, errs)
@@ -89,11 +104,21 @@ CASES_8 = [  # (A, R, H, G, N, strategies) on 8 ranks
 ]
 
 
-@pytest.mark.parametrize("A, R, H, G, N, strategies", CASES_8, ids=[f"{c[0]}x{c[1]}-H{c[2]}G{c[3]}-N{c[4]}"
-                                                                  for c in CASES_8])
-def test_hybrid_on_eight_ranks_equals_full_attention(A, R, H, G, N, strategies):
+def _eight_ranks_job(rank, world_size):
+    return [_job_dtypes(rank, world_size, *case[:5], list(TOL), case[5]) for case in CASES_8]
+
+
+@pytest.fixture(scope="module")
+def eight_rank_results():
+    """Per case of CASES_8, each rank's errors per dtype: both cases in one world of 8 ranks."""
+    per_rank = run_on_ranks(_eight_ranks_job, 8)
+    return [[per[i] for per in per_rank] for i in range(len(CASES_8))]
+
+
+@pytest.mark.parametrize("i", range(len(CASES_8)), ids=[f"{c[0]}x{c[1]}-H{c[2]}G{c[3]}-N{c[4]}" for c in CASES_8])
+def test_hybrid_on_eight_ranks_equals_full_attention(eight_rank_results, i):
     dtypes = list(TOL)
-    results = run_on_ranks(_job_dtypes, A * R, A, R, H, G, N, dtypes, strategies)
+    results = eight_rank_results[i]
     for rank, per_dtype in enumerate(results):
         for dtype in dtypes:
             for name, errs in per_dtype[str(dtype)].items():

@@ -24,17 +24,28 @@ STRATEGIES = {"ulysses": ["parallel.cp_strategy=ulysses"],
               **{f"upipe:{u}": ["parallel.cp_strategy=upipe", f"parallel.upipe_heads_per_stage={u}"] for u in (2, 4, 8)}}
 
 
-def _simulate(rank, world_size, extra):
+def _simulate(extra):
+    """Each strategy's counted work, planned with `extra` overrides (the planner makes its own fake world)."""
     from megatron_upipe.planner.simulate import simulate_step
 
-    torch.distributed.destroy_process_group()  # the planner makes its own fake one
     return {name: simulate_step(load_config(None, BASE + over + extra), C, VOCAB).work
             for name, over in STRATEGIES.items()}
 
 
+def _simulate_cpu_and_gpu(rank, world_size):
+    torch.distributed.destroy_process_group()  # the planner makes its own fake one
+    return _simulate([]), _simulate(["dist.backend=nccl"])
+
+
 @pytest.fixture(scope="module")
-def work():
-    return run_on_ranks(_simulate, 1, [])[0]
+def works():
+    """The strategies' counted work planned for this CPU and for a GPU run (dist.backend=nccl): one spawn."""
+    return run_on_ranks(_simulate_cpu_and_gpu, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def work(works):
+    return works[0]
 
 
 def _sent_bytes(rank, world_size):
@@ -78,10 +89,10 @@ def test_counted_flops_and_bytes_equal_the_model_written_here_and_a_real_run(wor
     assert not any(k.endswith(":ib") for w in work.values() for k in w)  # 2 ranks: one node
 
 
-def test_gpu_kernel_stand_ins_count_the_same_attention_work(work):
+def test_gpu_kernel_stand_ins_count_the_same_attention_work(works):
     """Planning a GPU run (dist.backend=nccl: the SDPA flash stand-in, which computes nothing) counts the same FLOPs
     as the CPU kernel that really runs."""
-    gpu = run_on_ranks(_simulate, 1, ["dist.backend=nccl"])[0]
+    work, gpu = works
     for name in STRATEGIES:
         assert gpu[name]["flops:attention"] == work[name]["flops:attention"], name
         assert gpu[name]["calls:attention"] == work[name]["calls:attention"], name
