@@ -51,18 +51,27 @@ def _job(rank, world_size, N, dtype):
     assert all(torch.equal(a, b) for a, b in zip((out, dq, dk, dv), (out2, *grads2)))
     assert all(torch.equal(a, b) for a, b in zip(kept, local[1:3]))
     # Overlapped passes (whole buffers in flight during the blocks): the same bits, the caller's k and v untouched.
-    in_flight = _count_passes_in_flight()
-    out3, lse3, blocks3 = ring_attention_forward(*local[:3], group, KERNELS["cpu_flash"], D ** -0.5, overlap=True)
-    grads3 = ring_attention_backward(local[3], *local[:3], out3, lse3, blocks3, group, KERNELS["cpu_flash"],
-                                     D ** -0.5, overlap=True)
+    in_flight, restore = _count_passes_in_flight()
+    try:
+        out3, lse3, blocks3 = ring_attention_forward(*local[:3], group, KERNELS["cpu_flash"], D ** -0.5, overlap=True)
+        grads3 = ring_attention_backward(local[3], *local[:3], out3, lse3, blocks3, group, KERNELS["cpu_flash"],
+                                         D ** -0.5, overlap=True)
+    finally:
+        restore()
     assert all(torch.equal(a, b) for a, b in zip((out, dq, dk, dv), (out3, *grads3)))
     assert all(torch.equal(a, b) for a, b in zip(kept, local[1:3]))
     return errs, [t.dtype for t in (out, dq, dk, dv)], len(blocks), in_flight
 
 
-def _count_passes_in_flight() -> dict[str, list[int]]:
-    """Patches ring.py (in this worker process) to record, per kernel call, how many P2P passes were in flight."""
+def _count_passes_in_flight():
+    """Patches ring.py (in this worker process) to record, per kernel call, how many P2P passes were in flight;
+    returns (the record, a function that undoes the patch)."""
     from megatron_upipe.attention import ring
+
+    originals = (ring._Passing, ring.kernel_forward, ring.kernel_backward)
+
+    def restore():
+        ring._Passing, ring.kernel_forward, ring.kernel_backward = originals
 
     seen, alive = {"fwd": [], "bwd": []}, set()
 
@@ -84,18 +93,36 @@ def _count_passes_in_flight() -> dict[str, list[int]]:
     ring._Passing = Passing
     ring.kernel_forward = counted("fwd", ring.kernel_forward)
     ring.kernel_backward = counted("bwd", ring.kernel_backward)
-    return seen
+    return seen, restore
 
 
 ERRORS: dict = {}  # (R, dtype) -> worst error over ranks, printed by the last case (pytest -s) for the notes
 
 
-@pytest.mark.parametrize("R, N", [(1, 40), (2, 40), (4, 48)])  # local lengths 40, 20, 12: not powers of two
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_ring_attention_equals_full_attention(R, N, dtype):
+RINGS = [(1, 40), (2, 40), (4, 48)]  # (R, N): local lengths 40, 20, 12, not powers of two
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def _dtypes_job(rank, world_size, N):
+    return {str(dtype): _job(rank, world_size, N, dtype) for dtype in DTYPES}
+
+
+@pytest.fixture(scope="module")
+def rings():
+    """R -> dtype name -> each rank's results: every dtype of a ring size in one world of R ranks (one spawn)."""
+    out = {}
+    for R, N in RINGS:
+        per_rank = run_on_ranks(_dtypes_job, R, N)
+        out[R] = {name: [per[name] for per in per_rank] for name in per_rank[0]}
+    return out
+
+
+@pytest.mark.parametrize("R, N", RINGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ring_attention_equals_full_attention(rings, R, N, dtype):
     from megatron_upipe.attention.ring import block_pairs
 
-    results = run_on_ranks(_job, R, N, dtype)
+    results = rings[R][str(dtype)]
     for rank, (errs, dtypes, blocks, in_flight) in enumerate(results):
         assert max(errs) < TOL[dtype], (rank, errs)
         assert dtypes == [dtype] * 4
