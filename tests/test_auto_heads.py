@@ -126,15 +126,21 @@ def _choose_job(rank, world_size, overlap, peaks, speeds):
     return choice.heads_per_stage, planned, choice.reason
 
 
+def _choose_jobs(rank, world_size, calls):
+    return [_choose_job(rank, world_size, *call) for call in calls]  # one process (each call re-patches)
+
+
 def test_auto_takes_the_fastest_fitting_u_when_stages_are_pipelined():
     """small on cp 2: legal U 2, 4, 8. Serial stages: the largest that fits, planned from the largest down and no
     further. Pipelined stages (memory.upipe_overlap): every U planned, the fitting one with the most tokens/s."""
     peaks = {8: 12.0, 4: 9.0, 2: 7.0}
     speeds = {8: 300.0, 4: 200.0, 2: 250.0}
-    U, planned, _ = run_on_ranks(_choose_job, 1, False, peaks, speeds)[0]
+    serial, pipelined, tie = run_on_ranks(_choose_jobs, 1, [(False, peaks, speeds), (True, peaks, speeds),
+                                                            (True, peaks, {8: 300.0, 4: 250.0, 2: 250.0})])[0]
+    U, planned, _ = serial
     assert (U, planned) == (4, [8, 4])
-    U, planned, reason = run_on_ranks(_choose_job, 1, True, peaks, speeds)[0]
+    U, planned, reason = pipelined
     assert (U, planned) == (2, [8, 4, 2])
     assert "the fastest legal U whose plan fits" in reason and "U=4: 200" in reason and "U=8" in reason
-    U, _, _ = run_on_ranks(_choose_job, 1, True, peaks, {8: 300.0, 4: 250.0, 2: 250.0})[0]
+    U, _, _ = tie
     assert U == 4  # a tie: the larger U
