@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CPU demo: the tiny Llama of examples/configs/tiny_cpu.yaml on the shipped corpus, UPipe over cp=2, 2 gloo ranks.
-# About 2 minutes on 2 cores; prints the loss every 10 steps (8.3 -> about 5.3) and the eval loss every 50.
+# About 2 minutes on 2 cores; prints the loss every 10 steps (8.3 -> about 5.4) and the eval loss every 50.
 #   bash examples/run_cpu_demo.sh                    # a run in runs/tiny_cpu_demo (resumed if it is there)
 #   bash examples/run_cpu_demo.sh train.steps=400    # any section.key=value override; here: extend that run
 #   RUN_DIR=runs/demo2 bash examples/run_cpu_demo.sh # a new run beside it
