@@ -46,8 +46,13 @@ def test_a_calibration_of_the_gpu_model_replaces_the_stated_context_and_fragment
     h200 = D.margins_for(D.GPUS["h200"], 8, calibration_file=cal)
     assert (h200.cuda_context_bytes, h200.fragmentation) == (600 * 2**20, 0.02)
     assert "calibrated on NVIDIA H200" in h200.source
+    assert h200.provenance()["fragmentation"] == "measured on NVIDIA H200 by tools/gpu_check.sh (cal.json)"
+    assert h200.provenance()["nccl"].startswith("stated for nvswitch: one NVSwitch node")
     h100 = D.margins_for(D.GPUS["h100-80gb"], 8, calibration_file=cal)  # no entry: stated defaults
     assert h100 == D.margins_for(D.GPUS["h100-80gb"], 8, calibration_file=tmp_path / "absent.json")
+    assert h100.provenance()["fragmentation"].startswith("stated: 5% of the live peak (1.66% measured on the lent")
+    assert h100.provenance()["cuda context"].startswith("stated: 1 GiB")
+    assert D.margins_for(D.GPUS["h100-80gb"], 16).provenance()["nccl"].startswith("stated for nvswitch-ib:")
     cal.write_text(json.dumps({"h200": {"device": "NVIDIA H200"}}))
     with pytest.raises(ValueError, match="lacks"):
         D.margins_for(D.GPUS["h200"], 8, calibration_file=cal)
@@ -62,6 +67,10 @@ def test_estimate_cli_reports_capacity_and_margins_and_refuses_an_unknown_gpu():
     assert "h200 (139.80 GiB: torch.cuda.mem_get_info" in ok.stdout
     assert "calibrated on NVIDIA H200" in ok.stdout  # examples/plans/gpu_calibration.json, from tools/gpu_check.sh
     assert "nccl 0.50 GiB" in ok.stdout and "overridden: nccl_bytes" in ok.stdout
+    # each margin's provenance, one line each
+    assert "  margin cuda context: measured on NVIDIA H200 by tools/gpu_check.sh" in ok.stdout
+    assert "  margin fragmentation: measured on NVIDIA H200 by tools/gpu_check.sh" in ok.stdout
+    assert "  margin nccl: given on the command line" in ok.stdout
     assert "margin: nccl 0.50" in ok.stdout
     bad = subprocess.run(base + ["--gpu", "h900"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--gpu 'h900' is unknown" in bad.stderr

@@ -62,7 +62,9 @@ def _margins(a, gpu_model, world: int):
         given["fragmentation"] = a.fragmentation
     if any((v < 0 if k != "fragmentation" else not 0 <= v < 1) for k, v in given.items()):
         raise ValueError("--cuda-context-gib and --nccl-gib must be >= 0 and --fragmentation in [0, 1)")
-    return dataclasses.replace(m, **given, source=m.source + (", overridden: " + ", ".join(given) if given else ""))
+    m = dataclasses.replace(m, **given, source=m.source + (", overridden: " + ", ".join(given) if given else ""))
+    names = {"cuda_context_bytes": "cuda_context", "nccl_bytes": "nccl", "fragmentation": "fragmentation"}
+    return m.with_why(**{names[k]: "given on the command line" for k in given})
 
 
 def output_problem(option: str, path: str) -> str | None:
@@ -132,6 +134,8 @@ def main(argv=None) -> int:
           f"{plan.arch}", flush=True)
     print(f"margins ({margins.source}): cuda context {margins.cuda_context_bytes / GIB:.2f} GiB, nccl "
           f"{margins.nccl_bytes / GIB:.2f} GiB, fragmentation {margins.fragmentation:.0%} of the live peak", flush=True)
+    for name, why in margins.provenance().items():
+        print(f"  margin {name}: {why}", flush=True)
 
     results, max_ctx, choice = [], {}, None
     if auto:  # upipe_heads_per_stage=auto: the largest legal U that fits, as the training job chooses it
