@@ -95,9 +95,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
                 rank, ok, payload = queue.get(timeout=1.0)
             except queue_module.Empty:
                 # dead twice in a row: a rank that flushed its result just before dying is read in between
-                dead, seen_dead = seen_dead, _dead_without_result(procs, results)
-                if dead and dead == seen_dead:
-                    failures.append(f"rank(s) died without a result: {dead}; got {sorted(results)}")
+                previous, seen_dead = seen_dead, _dead_without_result(procs, results)
+                if seen_dead and seen_dead == previous:
+                    failures.append(f"rank(s) died without a result: {seen_dead}; got {sorted(results)}")
                 elif time.monotonic() > deadline:
                     failures.append(f"timed out after {timeout_s}s waiting for ranks; got {sorted(results)}")
                 continue

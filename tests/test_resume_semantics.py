@@ -60,14 +60,15 @@ def _job(rank, world_size, tmp):
     import torch
     import torch.distributed as dist
 
+    from megatron_upipe.training.agree import largest_on_any_rank
     from megatron_upipe.training.signals import StopOnSignal
 
     tmp = Path(tmp)
     stop = StopOnSignal()  # the agreement: only rank 1 saw a signal, both ranks learn it from one all-reduce
-    agreed = [stop.agreed(torch.device("cpu"))]
+    agreed = [largest_on_any_rank([stop.received], torch.device("cpu"))[0]]
     if rank == 1:
         stop.received = int(signal.SIGUSR1)
-    agreed.append(stop.agreed(torch.device("cpu")))
+    agreed.append(largest_on_any_rank([stop.received], torch.device("cpu"))[0])
     out = {"agreed": agreed}
     out["short"] = _run(tmp, "short", "train.steps=6", "checkpoint.interval=3")
     step3 = f"checkpoint.load={tmp}/short/iter_0000003"

@@ -62,9 +62,9 @@ def _margins(a, gpu_model, world: int):
         given["fragmentation"] = a.fragmentation
     if any((v < 0 if k != "fragmentation" else not 0 <= v < 1) for k, v in given.items()):
         raise ValueError("--cuda-context-gib and --nccl-gib must be >= 0 and --fragmentation in [0, 1)")
-    m = dataclasses.replace(m, **given, source=m.source + (", overridden: " + ", ".join(given) if given else ""))
-    names = {"cuda_context_bytes": "cuda_context", "nccl_bytes": "nccl", "fragmentation": "fragmentation"}
-    return m.with_why(**{names[k]: "given on the command line" for k in given})
+    why = {f"{k.removesuffix('_bytes')}_why": "given on the command line" for k in given}
+    return dataclasses.replace(m, **given, **why,
+                               source=m.source + (", overridden: " + ", ".join(given) if given else ""))
 
 
 def output_problem(option: str, path: str) -> str | None:

@@ -85,23 +85,16 @@ class Margins:
     nccl_bytes: int = NCCL_TOPOLOGIES["nvswitch"].bytes
     fragmentation: float = 0.05  # caching-allocator slack over the live peak, with expandable_segments
     source: str = "stated defaults"
-    # where each figure comes from, by margin name ("cuda context", "nccl", "fragmentation"), as the planner prints it
-    why: tuple[tuple[str, str], ...] = (
-        ("cuda context", "stated: 1 GiB (0.92 GiB measured on the lent H200 with cuBLAS, cuDNN and SDPA loaded; not "
-                         "measured on this GPU model)"),
-        ("nccl", f"stated for nvswitch: {NCCL_TOPOLOGIES['nvswitch'].why}"),
-        ("fragmentation", "stated: 5% of the live peak (1.66% measured on the lent H200; not measured on this GPU "
-                          "model)"),
-    )
+    # where each figure comes from, as the planner prints it (margins_for fills in the job's topology and calibration)
+    cuda_context_why: str = ("stated: 1 GiB (0.92 GiB measured on the lent H200 with cuBLAS, cuDNN and SDPA loaded; "
+                             "not measured on this GPU model)")
+    nccl_why: str = f"stated for nvswitch: {NCCL_TOPOLOGIES['nvswitch'].why}"
+    fragmentation_why: str = ("stated: 5% of the live peak (1.66% measured on the lent H200; not measured on this GPU "
+                              "model)")
 
     def provenance(self) -> dict[str, str]:
         """Margin name -> where its figure comes from."""
-        return dict(self.why)
-
-    def with_why(self, **why: str) -> "Margins":
-        """These margins with the provenance of some replaced (keyword: the name with _ for spaces)."""
-        updated = {**self.provenance(), **{k.replace("_", " "): v for k, v in why.items()}}
-        return replace(self, why=tuple(updated.items()))
+        return {"cuda context": self.cuda_context_why, "nccl": self.nccl_why, "fragmentation": self.fragmentation_why}
 
     def named(self, device_bytes: int) -> dict[str, int]:
         """The margins as named breakdown entries for a live peak of `device_bytes`."""
@@ -156,15 +149,15 @@ def margins_for(gpu: GPU, world_size: int, topology: str | None = None,
     topology = topology or topology_for(world_size)
     if topology not in NCCL_TOPOLOGIES:
         raise ValueError(f"NCCL topology {topology!r} is unknown; choose one of {', '.join(NCCL_TOPOLOGIES)}")
-    margins = Margins(nccl_bytes=NCCL_TOPOLOGIES[topology].bytes, source=f"stated defaults, nccl: {topology}")
-    margins = margins.with_why(nccl=f"stated for {topology}: {NCCL_TOPOLOGIES[topology].why}")
+    margins = Margins(nccl_bytes=NCCL_TOPOLOGIES[topology].bytes, source=f"stated defaults, nccl: {topology}",
+                      nccl_why=f"stated for {topology}: {NCCL_TOPOLOGIES[topology].why}")
     calibrated = read_calibration(gpu, calibration_file)
     if calibrated is not None:
         measured = f"measured on {calibrated['device']} by tools/gpu_check.sh ({calibration_file.name})"
         margins = replace(margins, cuda_context_bytes=calibrated["cuda_context_bytes"],
                           fragmentation=calibrated["fragmentation"],
-                          source=f"calibrated on {calibrated['device']} ({calibration_file.name}), nccl: {topology}")
-        margins = margins.with_why(cuda_context=measured, fragmentation=measured)
+                          source=f"calibrated on {calibrated['device']} ({calibration_file.name}), nccl: {topology}",
+                          cuda_context_why=measured, fragmentation_why=measured)
     return margins
 
 

@@ -38,7 +38,7 @@ def overwrite_refusal(config) -> str | None:
     c = config.checkpoint
     if c.dir is None or c.resume is not False or c.overwrite:
         return None
-    found = [p.name for p in reversed(complete_checkpoints(Path(c.dir)))]  # oldest first
+    found = _complete_oldest_first(c.dir)
     if not found and not (Path(c.dir) / LATEST).is_file():
         return None
     shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
@@ -53,7 +53,11 @@ def superseded_checkpoints(config) -> list[str]:
     c = config.checkpoint
     if c.dir is None or c.resume is not False or not c.overwrite:
         return []
-    return [p.name for p in reversed(complete_checkpoints(Path(c.dir)))]
+    return _complete_oldest_first(c.dir)
+
+
+def _complete_oldest_first(root: str) -> list[str]:
+    return [p.name for p in reversed(complete_checkpoints(Path(root)))]
 
 
 def _pid_start(pid: int, proc: Path = Path("/proc")) -> str | None:

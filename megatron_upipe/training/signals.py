@@ -4,7 +4,8 @@ checkpoint first.
 With checkpoint.dir set and checkpoint.save_on_signal=true (the default), the training loop runs inside
 `StopOnSignal`: the handler of SIGTERM, SIGUSR1 and SIGINT only records the signal (a second Ctrl-C, more than
 SAME_CTRL_C_S after the first, raises KeyboardInterrupt: stop at once, no save; pretrain_llama.py exits 130).
-After every step all ranks all-reduce (MAX) what they recorded (`agreed`), so they stop after the same step even
+After every step all ranks all-reduce (MAX) what they recorded (`received`; training/agree.py, in the same
+collective as the deadline's verdict), so they stop after the same step even
 when the signal reached only some of them or reached them at different moments, and no rank waits in a collective
 its peers never enter. The loop then saves
 a checkpoint of that step (the atomic save: a kill during it leaves `latest` on the previous checkpoint), prints one
@@ -31,9 +32,6 @@ import signal
 import threading
 import time
 
-import torch
-
-from megatron_upipe.training.agree import largest_on_any_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_STOPPED = 5  # pretrain_llama.py's exit status after a stop on signal
@@ -56,7 +54,7 @@ class StoppedBySignal(Exception):
 
 class StopOnSignal:
     """Records SIGTERM / SIGUSR1 / SIGINT while active (a context manager; the main thread only, where Python runs
-    signal handlers); `agreed(device)` is the signal every rank sees after one all-reduce, or 0."""
+    signal handlers) in `received` (0: none); the loop makes it every rank's with training/agree.py."""
 
     def __init__(self, signals=STOP_SIGNALS):
         self.signals = tuple(signals)
@@ -82,10 +80,6 @@ class StopOnSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
-
-    def agreed(self, device: torch.device, group=None) -> int:
-        """Collective over `group` (default: all ranks): the largest signal number any rank recorded, 0 if none."""
-        return largest_on_any_rank([self.received], device, group)[0]
 
 
 @contextlib.contextmanager
