@@ -1,6 +1,7 @@
 """Training on a CUDA GPU: pretrain_llama.py on one GPU (NCCL, cp=1 UPipe, bf16, the long recipes' memory stack)
 takes steps, every parameter lives on the GPU, and memory.plan_check's prediction is within 1% of
-torch.cuda.max_memory_allocated. Runs wherever a CUDA GPU is visible; CI's machines have none. The same run at full
+torch.cuda.max_memory_allocated, with the offloaded layer inputs prefetched a layer ahead (the CUDA side streams of
+memory_switches/offload.py). Runs wherever a CUDA GPU is visible; CI's machines have none. The same run at full
 Llama3-8B layer dims is the training part of tools/gpu_check.sh (docs/gpu_results.md has its numbers): it is where
 the model was found left half on the CPU (megatron-core's local-spec norms) before build_stage moved it."""
 
@@ -24,7 +25,7 @@ def test_one_gpu_training_with_the_memory_switches_and_plan_check(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29561",
            str(ROOT / "pretrain_llama.py"), "--config", str(ROOT / "tools" / "gpu_check_train.yaml"),
            "model.num_layers=2", "model.hidden_size=512", "model.ffn_hidden_size=1024", "model.vocab_size=4096",
-           "train.seq_length=8192", f"log.metrics_file={metrics}"]
+           "train.seq_length=8192", "memory.offload_prefetch=true", f"log.metrics_file={metrics}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -4,12 +4,14 @@ One 2-rank gloo job, float32, a 4-layer tiny Llama (GQA), one training step per 
 same HF-named weights and batch:
 - dp2: plain, megatron-core full recompute, full recompute + offload;
 - cp2 UPipe: plain, full recompute + offload;
-- pp2 (1F1B, 2 micro-batches): plain, full recompute + offload.
+- pp2 (1F1B, 2 micro-batches): plain, full recompute + offload;
+- dp2 and pp2 also with the copy back prefetched one layer ahead (memory.offload_prefetch).
 Checked: loss and every parameter gradient bit-identical to the plain run of the same layout (recompute replays the
 same ops in the same order; offload is a copy); the offloader's ledger holds exactly num_layers x [s/cp, b, D]
 float32 bytes after the forward and nothing after the step; the tracked device memory after the forward is lower by
 exactly those bytes, and the device peak of the step by at least num_layers - 1 layer inputs (the backward brings one
-back at a time, with DDP's preallocated gradient buffers). The same on fake tensors at a longer sequence (how the
+back at a time, with DDP's preallocated gradient buffers); prefetching raises the device peak by exactly one layer
+input and changes nothing else. The same on fake tensors at a longer sequence (how the
 memory planner runs rank 0's model), where the planner's SimulatedHostOffloader matches the real one. Plus a
 process-free check that the offloader keeps its host copies out of a device tracker, on real and fake tensors.
 """
@@ -27,12 +29,20 @@ VARIANTS = {  # name -> (layout kwargs, recompute, offload)
     "dp2": (dict(dp=2), False, False),
     "dp2+recompute": (dict(dp=2), True, False),
     "dp2+recompute+offload": (dict(dp=2), True, True),
+    "dp2+recompute+offload+prefetch": (dict(dp=2), True, "prefetch"),
     "cp2-upipe": (dict(cp=2, cp_strategy="upipe"), False, False),
     "cp2-upipe+recompute+offload": (dict(cp=2, cp_strategy="upipe"), True, True),
     "pp2": (dict(pp=2), False, False),  # 1F1B over 2 micro-batches: stage 0 holds both in flight
     "pp2+recompute+offload": (dict(pp=2), True, True),
+    "pp2+recompute+offload+prefetch": (dict(pp=2), True, "prefetch"),  # one chain per micro-batch in flight
 }
-MICRO = {"pp2": 2, "pp2+recompute+offload": 2}
+MICRO = {"pp2": 2, "pp2+recompute+offload": 2, "pp2+recompute+offload+prefetch": 2}
+
+
+def _offload(off):
+    from megatron_upipe.memory_switches.offload import HostOffloader
+
+    return (lambda pp_rank: HostOffloader(prefetch_ahead=True)) if off == "prefetch" else off
 
 
 def _job(rank, world_size):
@@ -44,7 +54,8 @@ def _job(rank, world_size):
     arch = get_preset("tiny-gqa").replace(num_layers=LAYERS)
     hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    out = {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec, offload=off,
+    out = {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec,
+                                            offload=_offload(off),
                                             num_microbatches=MICRO.get(name, 1)))
            for name, (kw, rec, off) in VARIANTS.items()}
     out["fake"] = _fake_runs(arch)
@@ -53,7 +64,7 @@ def _job(rank, world_size):
 
 def _fake_runs(arch) -> dict:
     """The memory planner's way: the real model code on fake tensors (shapes only), full recompute at FAKE_SEQ
-    tokens, without offload, with HostOffloader and with SimulatedHostOffloader: (host bytes after forward, host
+    tokens, without offload, with HostOffloader and with SimulatedHostOffloader, each also prefetching: (host bytes after forward, host
     bytes at the end, tracked device peak, tracked device bytes after forward)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -66,11 +77,13 @@ def _fake_runs(arch) -> dict:
     pg = initialize_parallel(layout)
     out = {}
     try:
-        for name, cls in (("none", None), ("host", HostOffloader), ("simulated", SimulatedHostOffloader)):
+        for name, make in (("none", None), ("host", HostOffloader), ("simulated", SimulatedHostOffloader),
+                           ("host+prefetch", lambda: HostOffloader(prefetch_ahead=True)),
+                           ("simulated+prefetch", lambda: SimulatedHostOffloader(prefetch_ahead=True))):
             with FakeTensorMode(allow_non_fake_inputs=True):
                 config = llama_transformer_config(arch, layout, recompute_granularity="full")
                 stage = build_llama(arch, layout, pg, vocab_size=VOCAB, config=config,
-                                    offloader=cls() if cls else None)
+                                    offloader=make() if make else None)
                 model, off = stage.model, stage.offloader
                 tokens = torch.randint(0, VOCAB, (1, FAKE_SEQ))
                 with PeakMemoryTracker() as mem:
@@ -99,8 +112,9 @@ def test_losses_and_gradients_bit_identical(results):
     from tests.llama_harness import rel_err
 
     for per_rank in results:
-        for plain, others in (("dp2", ["dp2+recompute", "dp2+recompute+offload"]),
-                              ("cp2-upipe", ["cp2-upipe+recompute+offload"]), ("pp2", ["pp2+recompute+offload"])):
+        for plain, others in (("dp2", ["dp2+recompute", "dp2+recompute+offload", "dp2+recompute+offload+prefetch"]),
+                              ("cp2-upipe", ["cp2-upipe+recompute+offload"]),
+                              ("pp2", ["pp2+recompute+offload", "pp2+recompute+offload+prefetch"])):
             ref = per_rank[plain]
             assert len(ref.grads) == 2 + 9 * LAYERS + 1  # embed, lm_head, final norm; 9 tensors per layer
             for name in others:
@@ -120,10 +134,10 @@ def test_host_ledger_holds_exactly_the_layer_inputs(results):
         for name, (kw, _, off) in VARIANTS.items():
             r = per_rank[name]
             expected = LAYERS * _layer_input_bytes(kw) if off else 0
-            if name == "pp2+recompute+offload":  # L/2 layers per stage; the first forward of mb=1 of 2 rows
+            if name.startswith("pp2+"):  # L/2 layers per stage; the first forward of mb=1 of 2 rows
                 expected = LAYERS // 2 * _layer_input_bytes(dict(dp=2))
             assert r.host_after_forward == expected, (name, r.host_after_forward, expected)
-            if name == "pp2+recompute+offload":  # 1F1B: stage 0 runs 2 forwards before its first backward
+            if name.startswith("pp2+"):  # 1F1B: stage 0 runs 2 forwards before its first backward
                 assert r.host_peak == expected * (2 if per_rank is results[0] else 1), (name, r.host_peak)
             else:
                 assert r.host_peak == expected, name
@@ -138,6 +152,11 @@ def test_device_memory_drops_by_the_offloaded_inputs(results):
             assert a.device_after_forward - b.device_after_forward == LAYERS * one
             drop = a.device_peak[0] - b.device_peak[0]
             assert (LAYERS - 1) * one <= drop <= LAYERS * one, (drop, one)
+        # prefetch: the previous layer's input comes back while a layer's backward runs, one at a time
+        one = _layer_input_bytes(VARIANTS["dp2+recompute+offload"][0])
+        off, pre = per_rank["dp2+recompute+offload"], per_rank["dp2+recompute+offload+prefetch"]
+        assert pre.device_after_forward == off.device_after_forward
+        assert pre.device_peak[0] - off.device_peak[0] == one, (pre.device_peak, off.device_peak, one)
         # recompute itself lowers the peak (sanity of the measurement)
         assert per_rank["dp2+recompute"].device_peak[0] < per_rank["dp2"].device_peak[0]
         assert per_rank["cp2-upipe+recompute+offload"].device_peak[0] < per_rank["cp2-upipe"].device_peak[0]
@@ -149,6 +168,10 @@ def test_on_fake_tensors_the_ledger_and_device_peak_are_the_same(results):
         fake = per_rank["fake"]
         assert fake["host"][:2] == (LAYERS * one, 0) and fake["simulated"][:2] == (LAYERS * one, 0)
         assert fake["host"][2:] == fake["simulated"][2:]  # the simulation sees the device memory the real one does
+        assert fake["host+prefetch"] == fake["simulated+prefetch"]
+        assert fake["host+prefetch"][3] == fake["host"][3]  # the forward is the same; backward holds one more input
+        # (the .grad tensors growing here too: the peak may move to another layer, by at most one input)
+        assert 0 < fake["host+prefetch"][2] - fake["host"][2] <= one, (fake["host+prefetch"], fake["host"])
         assert fake["none"][3] - fake["host"][3] == LAYERS * one
         # Without DDP's preallocated buffers the .grad tensors grow during backward, so the peak may sit at the
         # last layer's backward, where both runs hold one input: only 0 < drop <= L inputs is guaranteed here.

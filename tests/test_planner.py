@@ -25,9 +25,10 @@ CASES = {
     "upipe cp2, packed documents, full recompute, tiled MLP, chunked loss": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
         "memory.recompute=full", "memory.mlp_chunks=4", "memory.loss_chunks=4", "data.document_mask=true"],
-    "upipe cp2 pipelined stages, full recompute": [
+    "upipe cp2 pipelined stages, full recompute, offload prefetched a layer ahead": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
-        "memory.recompute=full", "memory.upipe_overlap=true"],
+        "memory.recompute=full", "memory.upipe_overlap=true", "memory.offload_checkpoints=true",
+        "memory.offload_prefetch=true"],
     "upipe cp 1x2 (a ring of 2, parallel.cp_ring), full recompute, tiled MLP": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_ring=2", "parallel.cp_strategy=upipe",
         "train.seq_length=512", "memory.recompute=full", "memory.mlp_chunks=4"],

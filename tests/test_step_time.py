@@ -101,7 +101,7 @@ def test_gpu_kernel_stand_ins_count_the_same_attention_work(works):
 def test_predict_prices_the_work_as_documented():
     from megatron_upipe.planner.step_time import Hardware, predict
 
-    hw = Hardware("test", 1e15, 1e11, 1e10, 1e-3, gemm_efficiency=0.5, attention_efficiency=0.25)
+    hw = Hardware("test", 1e15, 1e11, 1e10, 1e-3, 1e10, gemm_efficiency=0.5, attention_efficiency=0.25)
     w = {"flops:gemm": 10**15, "flops:attention": 10**15, "bytes:alltoall:nvlink": 10**11, "calls:alltoall:nvlink": 10,
          "bytes:alltoall:ib": 10**10, "calls:alltoall:ib": 2, "bytes:allgather:nvlink": 10**12}
     t = predict(w, hw, tokens_per_step=8000, world_size=8)
@@ -116,18 +116,23 @@ def test_predict_prices_the_work_as_documented():
     assert predict(sends, hw, 8000, 8).parts["p2p"] == pytest.approx(5 + 0.004)
     assert predict(sends, hw, 8000, 8, ring_overlap=True).parts["p2p"] == pytest.approx(5.004 - 4)
     assert predict(w, hw, 8000, 8, ring_overlap=True).parts["p2p"] == 0
+    # offloaded layer inputs coming back: on the critical path, or prefetched only what exceeds the compute
+    back = {**w, "bytes:host_to_device": 7 * 10**10}
+    assert predict(back, hw, 8000, 8).parts["offload copies back"] == pytest.approx(7)
+    assert predict(back, hw, 8000, 8, offload_prefetch=True).parts["offload copies back"] == pytest.approx(7 - 6)
+    assert predict(w, hw, 8000, 8, offload_prefetch=True).parts["offload copies back"] == 0
 
 
 def test_calibration_recovers_known_efficiencies():
     from megatron_upipe.planner.step_time import Hardware, calibrate, predict
 
-    true = Hardware("test", 1e15, 1e11, 1e10, 1e-4, gemm_efficiency=0.42, attention_efficiency=0.66)
+    true = Hardware("test", 1e15, 1e11, 1e10, 1e-4, 1e11, gemm_efficiency=0.42, attention_efficiency=0.66)
     samples = []
     for n in (1, 2, 4, 8):  # attention grows as n^2, the rest as n
         w = {"flops:gemm": 10**14 * n, "flops:attention": 10**13 * n * n, "bytes:alltoall:nvlink": 10**9 * n,
-             "calls:alltoall:nvlink": 100}
+             "calls:alltoall:nvlink": 100, "bytes:host_to_device": 10**10 * n}  # offloaded, not prefetched
         samples.append((w, predict(w, true, 1, 1).seconds))
-    fitted = calibrate(samples, Hardware("test", 1e15, 1e11, 1e10, 1e-4))
+    fitted = calibrate(samples, Hardware("test", 1e15, 1e11, 1e10, 1e-4, 1e11))
     assert fitted.gemm_efficiency == pytest.approx(0.42) and fitted.attention_efficiency == pytest.approx(0.66)
 
 

@@ -15,12 +15,18 @@ pushed only for the instant megatron saves the checkpoint inputs:
     save_for_backward   pack(hidden_states) -> offloader.to_host; pop the hooks (RoPE angles etc. are saved as usual)
     block post-hook     disarm (and pop the hooks if a save never came)
 
+With the offloader's `prefetch_ahead` (memory.offload_prefetch), unpacking layer i's input also starts the copy back
+of layer i-1's (the next backward's, in this block's forward): it travels while layer i recomputes and
+back-propagates, at the cost of one more layer input [s/cp, b, D] alive on the device.
+
 A pack call that is not the remembered layer input means megatron-core changed what it saves: it raises instead of
 offloading the wrong tensor. The recompute in backward runs with grad enabled and outside the armed window, so it is
 untouched. Works the same on fake tensors (the memory planner) and with any offloader that has `to_host`/`to_device`.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -41,6 +47,7 @@ class CheckpointOffload:
         self.offloader = offloader
         self._armed = False
         self._pending: torch.Tensor | None = None  # the input of the layer being checkpointed now
+        self._last = None  # weakref to the HostCopy of the previous layer's input in this block's forward
         self._hooks: saved_tensors_hooks | None = None  # pushed between a layer's end and megatron's save
         self._handles = [
             block.register_forward_pre_hook(self._block_pre),
@@ -61,11 +68,11 @@ class CheckpointOffload:
     # --- module hooks -------------------------------------------------------------------------------------------
     def _block_pre(self, block, args) -> None:
         self._armed = block.training and torch.is_grad_enabled()
-        self._pending = None
+        self._pending, self._last = None, None
 
     def _block_post(self, block, args, output) -> None:
         self._pop()
-        self._armed, self._pending = False, None
+        self._armed, self._pending, self._last = False, None, None
 
     def _layer_pre(self, layer, args, kwargs) -> None:
         self._pop()
@@ -74,7 +81,7 @@ class CheckpointOffload:
 
     def _layer_post(self, layer, args, output) -> None:
         if self._armed and not torch.is_grad_enabled() and self._pending is not None and self._hooks is None:
-            self._hooks = saved_tensors_hooks(self._pack, self.offloader.to_device)
+            self._hooks = saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
 
     # --- saved-tensor hooks (active only around megatron's save_for_backward) ------------------------------------
@@ -87,7 +94,16 @@ class CheckpointOffload:
             )
         self._pending = None
         self._pop()  # the remaining saved tensors (RoPE angles, shared by all layers) stay where they are
-        return self.offloader.to_host(t)
+        copy = self.offloader.to_host(t)
+        copy.before, self._last = self._last, weakref.ref(copy)
+        return copy
+
+    def _unpack(self, copy) -> torch.Tensor:
+        out = self.offloader.to_device(copy)
+        before = copy.before() if copy.before is not None else None
+        if before is not None and self.offloader.prefetch_ahead:
+            self.offloader.prefetch(before)
+        return out
 
     def _pop(self) -> None:
         if self._hooks is not None:

@@ -6,6 +6,7 @@ Everything this project moves off the accelerator goes through a `HostOffloader`
     t2 = offloader.to_device(handle)   # HostCopy -> a new tensor on t's device, equal to t bit for bit
     offloader.live_bytes, offloader.peak_bytes   # host bytes alive now / at most (a HostCopy frees when dropped)
     offloader.reserved_peak_bytes                # at most, as allocated: the whole pool, plus any copy beside it
+    offloader.prefetch(handle)         # start bringing it back now; the next to_device(handle) returns that tensor
 
 Where the copy lives:
 - `HostOffloader(pool_bytes=N)` (what training builds, N planned by host_budget.offload_pool_bytes): a range of one
@@ -18,12 +19,20 @@ Where the copy lives:
 - CUDA tensor: the device->host copy runs on a side stream (ordered after the producer by `wait_stream`, the
   source kept alive for the allocator by `record_stream`, and after the device reads of a reused pool range by
   their events); `to_device` makes the current stream wait for that copy's event and copies back asynchronously
-  from pinned memory. [Unverified: no GPU where this was written; the CUDA branch is `_cuda_to_host` /
-  `_cuda_to_device` and nothing else.]
+  from pinned memory. `prefetch` makes the same copy back on a second side stream, ordered after the current
+  stream's work so far and after the device->host copy; `to_device` then makes the current stream wait for it.
+  [Unverified: no GPU where this was written; the CUDA branch is `_cuda_to_host` / `_cuda_to_device` /
+  `_cuda_prefetch` and nothing else.]
 - CPU tensor (this project's GPU-less machines): a plain copy into the pool range (or a clone). "Host" and "device"
   are the same RAM there, so the copy is made with torch's dispatch modes switched off: a storage-tracking
   `PeakMemoryTracker` (device memory) then never counts host copies, exactly as it would not count them on a GPU.
   Fake tensors stay fake (a fake copy; with a pool its range is still taken, so the ledger is the same).
+  `prefetch` makes the device copy at once, so a tracker sees it alive from then on, as it would be on a GPU.
+
+Prefetch (`HostOffloader(prefetch_ahead=True)`, memory.offload_prefetch): the user of the offloader (here
+checkpoint_offload.py) calls `prefetch` on the copy it will need next, so the copy back overlaps other work; the
+device holds that copy from the prefetch on: one more tensor alive, which the memory planner sees because the
+simulated offloader allocates it at the same moment.
 
 For the memory planner: the ledger is the host side; device memory is whatever its tracker sees. To simulate
 without copying (e.g. at full scale under FakeTensorMode), swap in `SimulatedHostOffloader(pool_bytes=N)`, which
@@ -62,6 +71,10 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t) or t.device.type == "meta"
 
 
+def _on_real_cuda(copy: "HostCopy") -> bool:
+    return copy.device.type == "cuda" and copy.host is not None and not _is_fake(copy.host)
+
+
 @dataclass
 class HostLedger:
     live_bytes: int = 0  # host bytes held by HostCopy objects alive now (the tensors' own sizes)
@@ -71,6 +84,7 @@ class HostLedger:
     live_copies: int = 0
     total_copies: int = 0  # to_host calls since creation
     pool_misses: int = 0  # copies that found no room in the pool (and went to pageable memory beside it)
+    returned_bytes: int = 0  # bytes copied back to the device (to_device or prefetch) since creation
 
     def reserve(self, nbytes: int) -> None:
         self.reserved_bytes += nbytes
@@ -93,11 +107,14 @@ class HostCopy:
     """A tensor's copy in host memory (or, simulated, only its description). Dropping it frees the ledger entry
     and its pool range."""
 
-    __slots__ = ("host", "shape", "dtype", "device", "nbytes", "pinned", "event", "slot", "__weakref__")
+    __slots__ = ("host", "shape", "dtype", "device", "nbytes", "pinned", "event", "slot", "prefetched", "before",
+                 "__weakref__")
 
     def __init__(self, host, shape, dtype, device, nbytes, pinned=False, event=None, slot: Range | None = None):
         self.host, self.shape, self.dtype, self.device = host, shape, dtype, device
         self.nbytes, self.pinned, self.event, self.slot = nbytes, pinned, event, slot
+        self.prefetched = None  # (device tensor, CUDA event or None) made by HostOffloader.prefetch, until used
+        self.before = None  # weakref to the copy its user needs next (checkpoint_offload: the previous layer's)
 
 
 class _OffsetsOnly:
@@ -123,15 +140,18 @@ class _OffsetsOnly:
 class HostOffloader:
     """Copies tensors to host memory and back, counting the host bytes alive (see the module docstring)."""
 
-    def __init__(self, pool_bytes: int | None = None, pin: bool = True) -> None:
+    def __init__(self, pool_bytes: int | None = None, pin: bool = True, prefetch_ahead: bool = False) -> None:
         """pool_bytes: the host bytes of the offloaded tensors alive at once (host_budget.offload_pool_bytes), held
         as one buffer allocated now; None: one host allocation per copy (the unpooled reference). pin: pin the
-        pool (CUDA only; False keeps it pageable)."""
+        pool (CUDA only; False keeps it pageable). prefetch_ahead: the offloader's user should prefetch each copy
+        one use ahead (memory.offload_prefetch; read by checkpoint_offload.py)."""
         self.ledger = HostLedger()
         self.pool = None if pool_bytes is None else self._make_pool(pool_bytes, pin)
         if self.pool is not None:
             self.ledger.reserve(self.pool.nbytes)
+        self.prefetch_ahead = prefetch_ahead
         self._stream = None  # CUDA side stream for device->host copies, made on first use
+        self._h2d_stream = None  # CUDA side stream for prefetched host->device copies, made on first use
 
     def _make_pool(self, nbytes: int, pin: bool):
         return HostPool(nbytes, pin=pin)
@@ -176,8 +196,30 @@ class HostOffloader:
         return self._register(HostCopy(host, t.shape, t.dtype, t.device, nbytes, pinned, event, slot), reserved)
 
     def to_device(self, copy: HostCopy) -> torch.Tensor:
-        if copy.device.type == "cuda" and not _is_fake(copy.host):
+        if copy.prefetched is not None:
+            (out, event), copy.prefetched = copy.prefetched, None
+            if event is not None:  # CUDA: the prefetch stream's copy is done before the current stream reads it
+                stream = torch.cuda.current_stream(copy.device)
+                stream.wait_event(event)
+                out.record_stream(stream)  # allocated on the prefetch stream, read and freed on this one
+            return out
+        self.ledger.returned_bytes += copy.nbytes
+        if _on_real_cuda(copy):
             return self._cuda_to_device(copy)
+        return self._plain_to_device(copy)
+
+    def prefetch(self, copy: HostCopy) -> None:
+        """Start bringing `copy` back to its device now; the next `to_device(copy)` returns that tensor. The
+        device tensor exists from now on (a tracker counts it from here). A second call before the use is a no-op."""
+        if copy.prefetched is not None:
+            return
+        self.ledger.returned_bytes += copy.nbytes
+        if _on_real_cuda(copy):
+            copy.prefetched = self._cuda_prefetch(copy)
+        else:
+            copy.prefetched = (self._plain_to_device(copy), None)
+
+    def _plain_to_device(self, copy: HostCopy) -> torch.Tensor:
         return copy.host.clone()  # a new device-side tensor: counted by a tracker like any activation
 
     def _take(self, nbytes: int, t: torch.Tensor):
@@ -242,6 +284,22 @@ class HostOffloader:
             copy.slot.fences.append(done)
         return out
 
+    def _cuda_prefetch(self, copy: HostCopy):
+        """The copy back on the prefetch stream: (device tensor, event recorded after it)."""
+        if self._h2d_stream is None:
+            self._h2d_stream = torch.cuda.Stream(device=copy.device)
+        stream = self._h2d_stream
+        stream.wait_stream(torch.cuda.current_stream(copy.device))  # in order with the work issued so far
+        if copy.event is not None:
+            stream.wait_event(copy.event)  # the device->host copy is done
+        with torch.cuda.stream(stream):
+            out = copy.host.to(copy.device, non_blocking=copy.pinned)
+            done = torch.cuda.Event()
+            done.record(stream)
+        if copy.slot is not None and copy.pinned:
+            copy.slot.fences.append(done)
+        return out, done
+
 
 class SimulatedHostOffloader(HostOffloader):
     """Same ledger and pool allocator, no data: for memory planning (fake tensors, meta shapes). Round trips lose
@@ -256,5 +314,5 @@ class SimulatedHostOffloader(HostOffloader):
         return self._register(HostCopy(None, t.shape, t.dtype, t.device, nbytes, slot=slot),
                               0 if slot is not None else nbytes)
 
-    def to_device(self, copy: HostCopy) -> torch.Tensor:
+    def _plain_to_device(self, copy: HostCopy) -> torch.Tensor:
         return torch.empty(copy.shape, dtype=copy.dtype, device=copy.device)

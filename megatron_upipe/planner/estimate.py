@@ -86,6 +86,7 @@ class Estimate:
     tokens_per_step: int = 0  # global batch x sequence length
     overlap_stages: int = 0  # UPipe stages per layer when memory.upipe_overlap pipelines them, else 0
     ring_overlap: bool = False  # memory.ring_overlap: the hybrid ring's P2P passes during its blocks
+    offload_prefetch: bool = False  # memory.offload_prefetch: the offloaded inputs come back a layer ahead
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -137,13 +138,13 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
     return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes and host.fits, breakdown, host.per_rank_bytes,
                     gpu_mem_bytes, step.peak_bytes, device, named, host.breakdown, host.per_node_bytes,
                     host.host_mem_bytes, host.fits, dict(step.work or {}), plan.tokens_per_step, overlap or 0,
-                    cfg.memory.ring_overlap)
+                    cfg.memory.ring_overlap, cfg.memory.offload_prefetch)
 
 
 def step_time(est: Estimate, world_size: int, hw: Hardware) -> StepTime:
     """The step-time model's prediction for an estimate's counted work on `hw` (planner/step_time.py)."""
     return predict(est.work, hw, est.tokens_per_step, world_size, overlap_stages=est.overlap_stages,
-                   ring_overlap=est.ring_overlap)
+                   ring_overlap=est.ring_overlap, offload_prefetch=est.offload_prefetch)
 
 
 def format_time(est: Estimate, world_size: int, hw: Hardware) -> str:

@@ -278,9 +278,10 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
             h.remove()
         del moments
     n_params = sum(p.numel() for p in stage.model.parameters())
+    work = {**counter.totals, **_offload_work(stage)} if fake else None
     step = StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
                       n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown),
-                      tuple(mem.peak_named), tuple(mem.attention_peak_named), dict(counter.totals) if fake else None)
+                      tuple(mem.peak_named), tuple(mem.attention_peak_named), work)
     return step
 
 
@@ -372,6 +373,13 @@ def _memory_kwargs(config: Config, plan, bf16: bool) -> dict:
     from megatron_upipe.training.build import memory_switches
 
     return memory_switches(config, plan, bf16, SimulatedHostOffloader)
+
+
+def _offload_work(stage) -> dict:
+    """The offloaded layer inputs' copies back to the device in the step (bytes:host_to_device, for the step-time
+    model); none without offload."""
+    offloader = getattr(stage, "offloader", None)
+    return {} if offloader is None else {"bytes:host_to_device": offloader.ledger.returned_bytes}
 
 
 def _host_peak(stage) -> int:

@@ -14,9 +14,12 @@ attention_efficiency); the attention all-to-alls and the P2P sends (the hybrid r
 the critical path: bytes / link bandwidth + calls · latency, except that with `memory.upipe_overlap` all but one
 stage's share of the all-to-all time hides under the attention kernels, and with `memory.ring_overlap` the P2P time
 does and costs only what exceeds them (pipeline sends, if any, are counted with the ring's); Megatron-FSDP's / DDP's
-all-gathers, reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. Not modelled:
-memory-bound element-wise work (norms, RoPE, SwiGLU, softmax of the loss, accumulations: absorbed by the calibrated
-GEMM efficiency), host offload copies (on a side stream, small beside a layer's compute), the optimizer step,
+all-gathers, reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. The offloaded layer
+inputs' copies back to the device (`bytes:host_to_device`, from the offloader's ledger) are on the critical path:
+bytes / host link bandwidth, each before its layer's recompute; with `memory.offload_prefetch` they run during the
+next layer's backward and cost only what exceeds the compute. Not modelled: memory-bound element-wise work (norms,
+RoPE, SwiGLU, softmax of the loss, accumulations: absorbed by the calibrated GEMM efficiency), the offload copies
+to the host (on a side stream during the forward, which waits for none of them), the optimizer step,
 kernel-efficiency loss of small per-stage calls (measured on an H200 at C = 1: 1.2% at U = 16 and 7.8% at U = 1 for
 one Llama3-8B layer at 128K, docs/gpu_results.md).
 
@@ -120,19 +123,21 @@ class Hardware:
     nvlink_bytes_per_s: float  # bytes one GPU sends per second in an all-to-all inside a node
     ib_bytes_per_s: float  # ... across nodes (its share of the node's InfiniBand)
     latency_s: float  # per collective call
+    host_bytes_per_s: float  # host -> device bytes per second of one GPU from pinned memory (PCIe)
     gemm_efficiency: float = 0.6  # achieved / peak on the step's GEMMs (element-wise work absorbed)
     attention_efficiency: float = 0.6  # achieved / peak in the attention kernels
     source: str = ""
 
 
 HARDWARE: dict[str, Hardware] = {h.name: h for h in (
-    Hardware("h100-80gb", 989.4e12, 360e9, 45e9, 30e-6, gemm_efficiency=0.384, attention_efficiency=0.643,
+    Hardware("h100-80gb", 989.4e12, 360e9, 45e9, 30e-6, 50e9, gemm_efficiency=0.395, attention_efficiency=0.643,
              source="H100 SXM5 datasheet: 989.4 TFLOP/s dense bf16; NVLink 4 450 GB/s per direction, of which NCCL's "
                     "all-to-all reaches about 80% (stated, not measured here); 8 x 400 Gb/s NDR InfiniBand per node "
-                    "(50 GB/s per GPU, 90% reached); 30 us per collective call. Efficiencies fitted by "
+                    "(50 GB/s per GPU, 90% reached); 30 us per collective call; PCIe Gen5 x16 64 GB/s per direction, "
+                    "of which a pinned copy reaches about 80% (stated, not measured here). Efficiencies fitted by "
                     "tools/step_time_report.py to the paper's Ulysses column (its FA3 kernel and stack; "
                     "examples/plans/step_time_llama3_8b_8xh100.json)"),
-    Hardware("h200", 989.4e12, 360e9, 45e9, 30e-6, gemm_efficiency=0.70, attention_efficiency=0.33,
+    Hardware("h200", 989.4e12, 360e9, 45e9, 30e-6, 50e9, gemm_efficiency=0.70, attention_efficiency=0.33,
              source="the H100's chip and links; efficiencies measured on the lent H200 with torch's SDPA flash "
                     "kernel (FA2) and no TE: GEMMs 684-704 TFLOP/s, one attention layer fwd+bwd 327 TFLOP/s "
                     "(docs/gpu_results.md)"),
@@ -159,10 +164,12 @@ def comm_seconds(work: dict[str, int], kinds: tuple[str, ...], hw: Hardware) -> 
 
 
 def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size: int, *, overlap_stages: int = 0,
-            ring_overlap: bool = False) -> StepTime:
+            ring_overlap: bool = False, offload_prefetch: bool = False) -> StepTime:
     """Seconds per training step and tokens/s per GPU from the counted `work` of rank 0 (every rank does the same
     work); `overlap_stages` = the number of UPipe stages per layer when memory.upipe_overlap pipelines them (0: the
-    all-to-alls run serially); `ring_overlap`: memory.ring_overlap, the ring's passes run during its blocks."""
+    all-to-alls run serially); `ring_overlap`: memory.ring_overlap, the ring's passes run during its blocks;
+    `offload_prefetch`: memory.offload_prefetch, the offloaded inputs come back during the previous layer's
+    backward."""
     gemm = work.get("flops:gemm", 0) / (hw.peak_flops * hw.gemm_efficiency)
     attention = work.get("flops:attention", 0) / (hw.peak_flops * hw.attention_efficiency)
     a2a = comm_seconds(work, ("alltoall",), hw)
@@ -172,19 +179,23 @@ def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size
     if ring_overlap:
         p2p = max(0.0, p2p - attention)
     sharding = max(0.0, comm_seconds(work, ("allgather", "reduce_scatter", "allreduce"), hw) - gemm - attention)
-    parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "sharding collectives": sharding, "p2p": p2p}
+    host = work.get("bytes:host_to_device", 0) / hw.host_bytes_per_s
+    if offload_prefetch:
+        host = max(0.0, host - gemm - attention)
+    parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "sharding collectives": sharding, "p2p": p2p,
+             "offload copies back": host}
     seconds = sum(parts.values())
     return StepTime(seconds, tokens_per_step / seconds / world_size, parts)
 
 
 def calibrate(samples: list[tuple[dict[str, int], float]], hw: Hardware) -> Hardware:
     """`hw` with gemm_efficiency and attention_efficiency fitted to measured step times: (work, seconds) pairs, least
-    squares on the relative error of the compute time (measured seconds minus the modelled communication, which
-    uses the stated link constants): minimise sum_i ((G_i x + A_i y) / c_i - 1)^2 over x = 1/(peak·e_gemm),
+    squares on the relative error of the compute time (measured seconds minus the modelled communication and
+    offload copies back, which use the stated link constants; the samples' stacks do not prefetch): minimise sum_i ((G_i x + A_i y) / c_i - 1)^2 over x = 1/(peak·e_gemm),
     y = 1/(peak·e_attention)."""
     rows = []
     for work, seconds in samples:
-        comm = comm_seconds(work, ("alltoall", "send"), hw)
+        comm = comm_seconds(work, ("alltoall", "send"), hw) + work.get("bytes:host_to_device", 0) / hw.host_bytes_per_s
         c = seconds - comm
         if c <= 0:
             raise ValueError(f"a measured step of {seconds:.3f} s is shorter than its modelled communication "
