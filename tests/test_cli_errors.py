@@ -249,6 +249,11 @@ def test_estimate_memory_errors(capsys, monkeypatch):
         (["--config", TINY, "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
         (["--config", TINY, "--world-size", "3"], "world size 3 is not divisible by parallel.tp·pp·cp"),
         (["--config", TINY, "data.tokenizer=README.md"], "cannot load sentencepiece model README.md"),
+        (["--config", TINY, "--fastest", "--gpu", "0.5"], "--fastest needs the step-time model's constants, which "
+                                                          "0.5GiB has none of: name the GPU model"),
+        (["--config", TINY, "--fastest", "--max-context"], "--fastest chooses the strategy and the length is given"),
+        (["--config", TINY, "--seq-length", "4096"], "--seq-length and --speed go with --fastest"),
+        (["--config", TINY, "--fastest", "--seq-length", "1001"], "train.seq_length=1001 must be a multiple of 2"),
     ]
     monkeypatch.chdir(ROOT)
     for argv, expected in cases:

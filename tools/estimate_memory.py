@@ -4,6 +4,7 @@
     python tools/estimate_memory.py --config examples/configs/llama3_8b_upipe_8xh100.yaml [section.key=value ...]
         [--world-size 8] [--gpu h100-80gb|h200|...|GiB] [--strategies none,ulysses,upipe,upipe:16] [--max-context]
         [--json OUT.json] [--plot OUT.png] [--jobs N]
+    python tools/estimate_memory.py --config C --fastest [--seq-length N] [--gpu ...] [--speed h100-80gb] [--json F]
 
 Runs rank 0's real model code (build, DDP, optimizer states, one forward/backward step) under fake tensors and a
 fake process group of the full world size, tracks the live tensors, adds the attention kernel's workspace and the
@@ -12,7 +13,10 @@ config's own train.seq_length for each strategy; with it, it finds the longest m
 For a GPU model with stated speed constants (h100-80gb, h200) each estimate also gets a `time:` line: the
 step-time model's seconds per step and tokens/s per GPU from the FLOPs and collective bytes counted on the same
 fake run (megatron_upipe/planner/step_time.py; calibrated by tools/step_time_report.py). Library code:
-megatron_upipe/planner/. --json and --plot must name a file in an existing, writable directory (and --plot a format
+megatron_upipe/planner/. --fastest searches U, pipelined stages and the memory switches for the fastest stack
+that fits at one length (megatron_upipe/planner/fastest.py) and prints the overrides that select it, beside the
+config as given; its JSON has overrides, fits, peak_bytes, host_bytes_per_node, step_time_s,
+tokens_per_s_per_gpu, mfu, the same under baseline, and every stack tried. --json and --plot must name a file in an existing, writable directory (and --plot a format
 matplotlib writes): checked before anything is simulated.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -35,6 +40,7 @@ from megatron_upipe.planner.estimate import (  # noqa: E402
     ConfigSource, estimate, format_breakdown, format_named, format_time, max_context, plot, strategy_config, write_json,
 )
 from megatron_upipe.planner.choose_heads import choose_heads_per_stage  # noqa: E402
+from megatron_upipe.planner.fastest import search_fastest  # noqa: E402
 from megatron_upipe.planner.step_time import HARDWARE  # noqa: E402
 from megatron_upipe.planner.workers import default_jobs  # noqa: E402
 
@@ -104,6 +110,12 @@ def main(argv=None) -> int:
                    help="also list the buffers of at least MIB MiB alive at the deciding peak, by allocation site")
     p.add_argument("--jobs", type=positive_int, default=default_jobs(),
                    help="simulations run side by side, one process each (default: the CPUs available, at most 2)")
+    p.add_argument("--fastest", action="store_true", help="search the fastest stack that fits (U, pipelined stages, "
+                   "memory switches) at --seq-length")
+    p.add_argument("--seq-length", type=positive_int, default=None, help="tokens per sequence for --fastest "
+                   "(default: the config's train.seq_length)")
+    p.add_argument("--speed", default=None, choices=sorted(HARDWARE), help="the step-time model's constants for "
+                   "--fastest when --gpu is given in GiB (default: --gpu's model)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
@@ -120,6 +132,12 @@ def main(argv=None) -> int:
         vocab = _vocab_size(config, plan)
         gpu_model = resolve_gpu(a.gpu)
         margins = _margins(a, gpu_model, world)
+        hw = HARDWARE[a.speed] if a.speed else HARDWARE.get(gpu_model.name)  # the step-time model's constants
+        if a.fastest:
+            _check_fastest(a, hw, gpu_model.name)
+            validate(source.load([f"train.seq_length={a.seq_length or config.train.seq_length}"]), world)
+        elif a.seq_length or a.speed:
+            raise ValueError("--seq-length and --speed go with --fastest (for one length use train.seq_length=N)")
         auto = not a.strategies and p_.cp_strategy == "upipe" and p_.upipe_heads_per_stage == "auto"
         strategies = a.strategies.split(",") if a.strategies else [] if auto else [
             p_.cp_strategy if p_.cp_strategy != "upipe" or p_.upipe_heads_per_stage is None
@@ -129,7 +147,6 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         return fail(PROG, e)
     gpu = gpu_model.total_bytes
-    hw = HARDWARE.get(gpu_model.name)  # the step-time model's constants, where stated for this GPU model
     print(f"planning {a.config} on {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB: {gpu_model.source}): "
           f"{plan.arch}", flush=True)
     print(f"margins ({margins.source}): cuda context {margins.cuda_context_bytes / GIB:.2f} GiB, nccl "
@@ -137,6 +154,8 @@ def main(argv=None) -> int:
     for name, why in margins.provenance().items():
         print(f"  margin {name}: {why}", flush=True)
 
+    if a.fastest:
+        return _fastest(a, source, world, vocab, gpu, margins, hw, a.seq_length or config.train.seq_length)
     results, max_ctx, choice = [], {}, None
     if auto:  # upipe_heads_per_stage=auto: the largest legal U that fits, as the training job chooses it
         try:
@@ -174,6 +193,35 @@ def main(argv=None) -> int:
                    world, hw)
     if a.plot:
         plot(a.plot, results, gpu, f"{os.path.basename(a.config)}: {world} x {gpu_model.name} ({gpu / GIB:.2f} GiB)")
+    return 0
+
+
+def _check_fastest(a, hw, gpu_name: str) -> None:
+    if a.max_context or a.strategies or a.plot or a.explain is not None:
+        raise ValueError("--fastest chooses the strategy and the length is given: drop --max-context, --strategies, "
+                         "--plot and --explain")
+    if hw is None:
+        raise ValueError(f"--fastest needs the step-time model's constants, which {gpu_name} has none of: name the "
+                         f"GPU model ({', '.join(sorted(HARDWARE))}) or add --speed NAME")
+
+
+def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int) -> int:
+    print(f"searching the fastest stack that fits at {seq} tokens (step-time model: {hw.name})", flush=True)
+    try:
+        found = search_fastest(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs,
+                               log=lambda line: print(line, flush=True))
+    except ConfigError as e:
+        return fail(PROG, e)
+    for label, c in (("fastest", found.best), ("config as given", found.baseline)):
+        t = c.time
+        print(f"{label}: {' '.join(c.overrides) or '(no overrides)'}\n  {'fits' if c.estimate.fits else 'does NOT fit'}"
+              f" {c.estimate.peak_bytes / GIB:.2f} GiB per GPU, host {c.estimate.host_bytes_per_node / GIB:.0f} GiB per "
+              f"node; {t.seconds:.2f} s/step, {t.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU "
+              f"{found.mfu(c):.1%} (step-time model)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": a.config, "config_overrides": list(a.overrides), "seq_length": seq,
+                       "world_size": world, "gpu_bytes": gpu, "speed": hw.name, **found.to_dict()}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,139 @@
+"""`tools/estimate_memory.py --fastest`: the fastest stack that fits (planner/fastest.py).
+
+The shape: the `tiny` preset (8 query / 4 KV heads) on cp 2 at 16K tokens, float32, where the memory ladder's rungs
+differ by tens of MiB. Every stack the search could choose (every legal U x pipelined stages x rung) is planned once
+(the brute force); the search, run at several device sizes with those same plans, must return the fastest stack
+that fits among all of them, having planned fewer; the ladder's premise (device memory falls and the modelled time
+rises rung by rung) holds in the brute force; when nothing fits it refuses in one line. The CLI writes the JSON the
+issue names, and the stack it chooses trains on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_helper import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "examples/configs/tiny_cpu.yaml")
+SEQ, VOCAB = 16384, 512  # mock data draws ids below max(vocab, 258)
+SHAPE = (f"model.vocab_size={VOCAB}", "data.path=mock", "data.tokenizer=null", "train.micro_batch_size=1", "train.global_batch_size=1", "memory.plan_check=false")
+NO_MARGINS = ["--cuda-context-gib", "0", "--nccl-gib", "0", "--fragmentation", "0"]
+GIB = 2**30
+
+
+def _job(rank, world_size, capacities):
+    import torch.distributed as dist
+
+    import megatron_upipe.planner.fastest as fastest
+    from megatron_upipe.config import ConfigError
+    from megatron_upipe.planner.devices import Margins
+    from megatron_upipe.planner.estimate import ConfigSource, estimate
+    from megatron_upipe.planner.step_time import HARDWARE
+
+    dist.destroy_process_group()  # the planner makes its own fake one
+    hw, none = HARDWARE["h100-80gb"], Margins(0, 0, 0.0)
+    plans = {}  # (overrides, strategy) -> Estimate at an unlimited device
+
+    def planned(source, world, vocab, strategy, seq, gpu_mem_bytes, margins, jobs=1):
+        key = (source.overrides, strategy)
+        if key not in plans:
+            plans[key] = estimate(source, world, vocab, strategy, seq, 2**50, margins, jobs=jobs)
+        e = plans[key]
+        return type(e)(**{**e.__dict__, "gpu_mem_bytes": gpu_mem_bytes,
+                          "fits": e.peak_bytes <= gpu_mem_bytes and e.host_fits})
+
+    fastest.estimate = planned  # every plan once, shared by the brute force and the searches
+    source = ConfigSource(CONFIG, SHAPE)
+    rungs = fastest.ladder(source)
+    brute = {}
+    for U in (2, 4, 8):
+        for overlap in (False, True) if U < 8 else (False,):
+            for r, rung in enumerate(rungs):
+                s = ConfigSource(CONFIG, (*SHAPE, *rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}"))
+                e = planned(s, 2, VOCAB, f"upipe:{U}", SEQ, 2**50, none)
+                brute[(U, overlap, r)] = (e.peak_bytes, e.host_fits, fastest.step_time(e, 2, hw).seconds)
+    found = {}
+    for gib in capacities:
+        before = len(plans)
+        try:
+            f = fastest.search_fastest(source, 2, VOCAB, SEQ, int(gib * GIB), none, hw)
+            b = f.best
+            found[gib] = ((b.heads_per_stage, b.overlap, b.rung), b.seconds, len(f.tried), f.to_dict())
+        except ConfigError as e:
+            found[gib] = str(e)
+        assert len(plans) - before <= 1  # the baseline at most: the brute force planned every stack
+    return brute, found, len(rungs)
+
+
+CAPACITIES = (1.0, 0.06, 0.035, 0.025, 0.001)
+
+
+@pytest.fixture(scope="module")
+def searched():
+    return run_on_ranks(_job, 1, CAPACITIES)[0]
+
+
+def test_ladder_premise_memory_falls_and_time_rises_rung_by_rung(searched):
+    brute, _, n = searched
+    for U, overlap in {(U, o) for U, o, _ in brute}:
+        peaks = [brute[(U, overlap, r)][0] for r in range(n)]
+        times = [brute[(U, overlap, r)][2] for r in range(n)]
+        assert peaks == sorted(peaks, reverse=True), (U, overlap, peaks)
+        assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:])), (U, overlap, times)  # float sums
+
+
+@pytest.mark.parametrize("gib", CAPACITIES[:-1])
+def test_search_returns_the_fastest_stack_that_fits(searched, gib):
+    brute, found, _ = searched
+    fitting = {k: t for k, (peak, host, t) in brute.items() if peak <= gib * GIB and host}
+    assert fitting, f"{gib} GiB: the test's capacities must leave something that fits"
+    choice, seconds, tried, as_dict = found[gib]
+    assert seconds == min(fitting.values()), (gib, choice, seconds, sorted(fitting.items(), key=lambda kv: kv[1])[:3])
+    assert choice in fitting
+    assert tried < len(brute), (gib, tried)  # bisection and the U rule pruned
+    assert as_dict["fits"] and as_dict["peak_bytes"] <= gib * GIB and as_dict["step_time_s"] == seconds
+    assert 0 < as_dict["mfu"] < 1 and as_dict["baseline"]["overrides"] == []
+
+
+def test_capacities_make_different_choices(searched):
+    _, found, _ = searched
+    rungs = {found[g][0][2] for g in CAPACITIES[:-1]}
+    assert len(rungs) >= 3, found  # the shape exercises the ladder, not only its first rung
+
+
+def test_nothing_fits_refuses_in_one_line(searched):
+    _, found, _ = searched
+    message = found[CAPACITIES[-1]]
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith("--fastest: no stack fits 0.00 GiB per GPU at train.seq_length=16384: the most frugal "
+                              "tried (") and "shorten train.seq_length or use more GPUs" in message
+
+
+def test_cli_json_and_the_choice_trains_on_cpu(tmp_path):
+    out = tmp_path / "fastest.json"
+    proc = subprocess.run([sys.executable, "tools/estimate_memory.py", "--config", CONFIG, "--world-size", "2",
+                           "--fastest", "--seq-length", str(SEQ), "--gpu", "0.035", "--speed", "h100-80gb",
+                           *NO_MARGINS, "--json", str(out), *SHAPE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    for key in ("overrides", "fits", "peak_bytes", "host_bytes_per_node", "step_time_s", "tokens_per_s_per_gpu",
+                "mfu", "baseline"):
+        assert key in got, key
+    assert got["fits"] and got["seq_length"] == SEQ and "fastest: " + " ".join(got["overrides"]) in proc.stdout
+    assert set(got["baseline"]) >= {"overrides", "fits", "peak_bytes", "step_time_s", "tokens_per_s_per_gpu", "mfu"}
+    metrics = tmp_path / "metrics.jsonl"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          "29571", "pretrain_llama.py", "--config", CONFIG, *SHAPE, *got["overrides"],
+                          f"train.seq_length={SEQ}", "train.steps=1", "train.eval_interval=0", "checkpoint.dir=null",
+                          "checkpoint.interval=0", f"log.metrics_file={metrics}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "train"] == [1]
