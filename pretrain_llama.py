@@ -47,6 +47,7 @@ from megatron_upipe.config import (
     Config, ConfigError, Plan, check_outputs, check_paths, load_config, machine_problems, to_yaml, validate,
 )
 from megatron_upipe.training.auto_heads import plans_heads, resolve_auto_heads
+from megatron_upipe.training.auto_stack import plans_stack, resolve_auto_stack
 from megatron_upipe.training.checkpoint_guard import acquire_checkpoint_lock, overwrite_refusal
 from megatron_upipe.training.helpers import die_with_parent
 
@@ -215,7 +216,10 @@ def start(args: argparse.Namespace) -> int:
         if (refusal := overwrite_refusal(config)) is not None:  # before anything is written into checkpoint.dir
             raise ConfigError(refusal)
         auto_note = None
-        if plans_heads(config):  # U auto or unset: every rank asks the planner (same answer, no collective)
+        if plans_stack(config):  # memory.auto: every rank asks the planner for the stack (U included)
+            config, auto_note = resolve_auto_stack(config, world_size, nvls=node.nvls)
+            plan = validate(config, world_size)
+        elif plans_heads(config):  # U auto or unset: every rank asks the planner (same answer, no collective)
             config, auto_note = resolve_auto_heads(config, world_size, nvls=node.nvls)
             plan = validate(config, world_size)
         if args.dry_run:  # --check-machine: all ranks on this node

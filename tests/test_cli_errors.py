@@ -252,7 +252,8 @@ def test_estimate_memory_errors(capsys, monkeypatch):
         (["--config", TINY, "--fastest", "--gpu", "0.5"], "--fastest needs the step-time model's constants, which "
                                                           "0.5GiB has none of: name the GPU model"),
         (["--config", TINY, "--fastest", "--max-context"], "--fastest chooses the strategy and the length is given"),
-        (["--config", TINY, "--seq-length", "4096"], "--seq-length and --speed go with --fastest"),
+        (["--config", TINY, "--seq-length", "4096"], "--seq-length and --speed go with --fastest or --longest"),
+        (["--config", TINY, "--fastest", "--longest"], "--fastest and --longest choose different stacks: give one"),
         (["--config", TINY, "--fastest", "--seq-length", "1001"], "train.seq_length=1001 must be a multiple of 2"),
     ]
     monkeypatch.chdir(ROOT)

@@ -5,7 +5,7 @@ differ by tens of MiB. Every stack the search could choose (every legal U x pipe
 (the brute force); the search, run at several device sizes with those same plans, must return the fastest stack
 that fits among all of them, having planned fewer; the ladder's premise (device memory falls and the modelled time
 rises rung by rung) holds in the brute force; when nothing fits it refuses in one line. The CLI writes the JSON the
-issue names, and the stack it chooses trains on CPU.
+issue names.
 """
 
 from __future__ import annotations
@@ -112,10 +112,12 @@ def test_nothing_fits_refuses_in_one_line(searched):
     message = found[CAPACITIES[-1]]
     assert isinstance(message, str) and "\n" not in message
     assert message.startswith("--fastest: no stack fits 0.00 GiB per GPU at train.seq_length=16384: the most frugal "
-                              "tried (") and "shorten train.seq_length or use more GPUs" in message
+                              "(memory.recompute=full, ")
+    assert "parallel.upipe_heads_per_stage=2) plans" in message and "shorten train.seq_length or use more GPUs" in message
 
 
-def test_cli_json_and_the_choice_trains_on_cpu(tmp_path):
+def test_cli_writes_the_json(tmp_path):
+    """(The chosen overrides train on CPU in tests/test_auto_stack.py: memory.auto=fastest applies them.)"""
     out = tmp_path / "fastest.json"
     proc = subprocess.run([sys.executable, "tools/estimate_memory.py", "--config", CONFIG, "--world-size", "2",
                            "--fastest", "--seq-length", str(SEQ), "--gpu", "0.035", "--speed", "h100-80gb",
@@ -128,12 +130,3 @@ def test_cli_json_and_the_choice_trains_on_cpu(tmp_path):
         assert key in got, key
     assert got["fits"] and got["seq_length"] == SEQ and "fastest: " + " ".join(got["overrides"]) in proc.stdout
     assert set(got["baseline"]) >= {"overrides", "fits", "peak_bytes", "step_time_s", "tokens_per_s_per_gpu", "mfu"}
-    metrics = tmp_path / "metrics.jsonl"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          "29571", "pretrain_llama.py", "--config", CONFIG, *SHAPE, *got["overrides"],
-                          f"train.seq_length={SEQ}", "train.steps=1", "train.eval_interval=0", "checkpoint.dir=null",
-                          "checkpoint.interval=0", f"log.metrics_file={metrics}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in steps if r["kind"] == "train"] == [1]

@@ -40,7 +40,7 @@ from megatron_upipe.planner.estimate import (  # noqa: E402
     ConfigSource, estimate, format_breakdown, format_named, format_time, max_context, plot, strategy_config, write_json,
 )
 from megatron_upipe.planner.choose_heads import choose_heads_per_stage  # noqa: E402
-from megatron_upipe.planner.fastest import search_fastest  # noqa: E402
+from megatron_upipe.planner.fastest import longest_stack, search_fastest  # noqa: E402
 from megatron_upipe.planner.step_time import HARDWARE  # noqa: E402
 from megatron_upipe.planner.workers import default_jobs  # noqa: E402
 
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
                    help="simulations run side by side, one process each (default: the CPUs available, at most 2)")
     p.add_argument("--fastest", action="store_true", help="search the fastest stack that fits (U, pipelined stages, "
                    "memory switches) at --seq-length")
+    p.add_argument("--longest", action="store_true", help="plan the most frugal stack (what reaches the longest "
+                   "context: the memory.auto=longest choice) at --seq-length, in --fastest's figures")
     p.add_argument("--seq-length", type=positive_int, default=None, help="tokens per sequence for --fastest "
                    "(default: the config's train.seq_length)")
     p.add_argument("--speed", default=None, choices=sorted(HARDWARE), help="the step-time model's constants for "
@@ -133,11 +135,14 @@ def main(argv=None) -> int:
         gpu_model = resolve_gpu(a.gpu)
         margins = _margins(a, gpu_model, world)
         hw = HARDWARE[a.speed] if a.speed else HARDWARE.get(gpu_model.name)  # the step-time model's constants
-        if a.fastest:
+        if a.fastest and a.longest:
+            raise ValueError("--fastest and --longest choose different stacks: give one")
+        if a.fastest or a.longest:
             _check_fastest(a, hw, gpu_model.name)
             validate(source.load([f"train.seq_length={a.seq_length or config.train.seq_length}"]), world)
         elif a.seq_length or a.speed:
-            raise ValueError("--seq-length and --speed go with --fastest (for one length use train.seq_length=N)")
+            raise ValueError("--seq-length and --speed go with --fastest or --longest (for one length use "
+                             "train.seq_length=N)")
         auto = not a.strategies and p_.cp_strategy == "upipe" and p_.upipe_heads_per_stage == "auto"
         strategies = a.strategies.split(",") if a.strategies else [] if auto else [
             p_.cp_strategy if p_.cp_strategy != "upipe" or p_.upipe_heads_per_stage is None
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
     for name, why in margins.provenance().items():
         print(f"  margin {name}: {why}", flush=True)
 
-    if a.fastest:
+    if a.fastest or a.longest:
         return _fastest(a, source, world, vocab, gpu, margins, hw, a.seq_length or config.train.seq_length)
     results, max_ctx, choice = [], {}, None
     if auto:  # upipe_heads_per_stage=auto: the largest legal U that fits, as the training job chooses it
@@ -198,29 +203,34 @@ def main(argv=None) -> int:
 
 def _check_fastest(a, hw, gpu_name: str) -> None:
     if a.max_context or a.strategies or a.plot or a.explain is not None:
-        raise ValueError("--fastest chooses the strategy and the length is given: drop --max-context, --strategies, "
-                         "--plot and --explain")
+        raise ValueError(f"--{'fastest' if a.fastest else 'longest'} chooses the strategy and the length is given: "
+                         "drop --max-context, --strategies, --plot and --explain")
     if hw is None:
-        raise ValueError(f"--fastest needs the step-time model's constants, which {gpu_name} has none of: name the "
+        raise ValueError(f"--{'fastest' if a.fastest else 'longest'} needs the step-time model's constants, which {gpu_name} has none of: name the "
                          f"GPU model ({', '.join(sorted(HARDWARE))}) or add --speed NAME")
 
 
 def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int) -> int:
-    print(f"searching the fastest stack that fits at {seq} tokens (step-time model: {hw.name})", flush=True)
+    what = "fastest" if a.fastest else "longest"
+    print(f"{'searching the fastest stack that fits' if a.fastest else 'planning the most frugal stack'} at {seq} "
+          f"tokens (step-time model: {hw.name})", flush=True)
     try:
-        found = search_fastest(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs,
-                               log=lambda line: print(line, flush=True))
+        if a.fastest:
+            found = search_fastest(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs,
+                                   log=lambda line: print(line, flush=True))
+        else:
+            found = longest_stack(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs)
     except ConfigError as e:
         return fail(PROG, e)
-    for label, c in (("fastest", found.best), ("config as given", found.baseline)):
+    for label, c in ((what, found.best), ("config as given", found.baseline)):
         t = c.time
         print(f"{label}: {' '.join(c.overrides) or '(no overrides)'}\n  {'fits' if c.estimate.fits else 'does NOT fit'}"
               f" {c.estimate.peak_bytes / GIB:.2f} GiB per GPU, host {c.estimate.host_bytes_per_node / GIB:.0f} GiB per "
-              f"node; {t.seconds:.2f} s/step, {t.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU "
+              f"node; {t.seconds:.4g} s/step, {t.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU "
               f"{found.mfu(c):.1%} (step-time model)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": a.config, "config_overrides": list(a.overrides), "seq_length": seq,
+            json.dump({"config": a.config, "config_overrides": list(a.overrides), "seq_length": seq, "choice": what,
                        "world_size": world, "gpu_bytes": gpu, "speed": hw.name, **found.to_dict()}, f, indent=1)
     return 0
 

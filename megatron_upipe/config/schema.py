@@ -425,6 +425,12 @@ class MemoryConfig:
     # resolved config at start-up (seconds on CPU, about a minute for an 8B model) and the run measures its second
     # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).
     plan_check: bool = False
+    # Let the memory planner choose, at start-up, UPipe's U, pipelined stages and the memory switches above
+    # (recompute, offload_checkpoints, offload_prefetch, mlp_chunks, loss_chunks, shard_model_states, upipe_overlap):
+    # "fastest" = the fastest stack whose plan fits memory.plan_gpu at train.seq_length (tools/estimate_memory.py
+    # --fastest), "longest" = the most frugal one (full recompute, offload, tiles, ZeRO-3, the smallest legal U:
+    # what the long recipes set). Replaces those settings; logged with the predicted memory and time. "none": as set.
+    auto: Literal["none", "fastest", "longest"] = "none"
     # Host RAM per node in GiB, checked at start-up against the planned host memory (offload pool, checkpoint staging,
     # stated margins; megatron_upipe/memory_switches/host_budget.py); it can lower, not raise, what the node gives at
     # start-up (the least of MemAvailable and the cgroup's room). null = what the node gives; the memory planner then

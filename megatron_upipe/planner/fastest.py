@@ -14,7 +14,8 @@ before it and adds one that saves device memory and costs time:
 Why a ladder and not every combination: the planner's device peak falls rung by rung and the step-time model's
 time rises rung by rung (each adds recomputed FLOPs or exposed copies, or overlapped collectives); both are
 monotonic by construction, so for a given U and overlap the first rung that fits is the fastest that fits, found
-by bisection (about log2(6) simulations instead of 6). Across U: a smaller U plans less attention memory; with
+by bisection (about log2(6) simulations instead of 6); the most frugal stack of all (the last rung at the smallest
+U, serial) is planned first, and if it does not fit nothing does. Across U: a smaller U plans less attention memory; with
 serial stages it is never faster at the same rung (tests/test_step_time.py), so after U fits at rung r a smaller U
 is tried only below r; with pipelined stages at rung r or below. Every candidate tried is a full planner estimate
 (device and host, with the margins given), priced by the step-time model; the fastest that fits wins (ties: the
@@ -123,6 +124,42 @@ class Fastest:
                 "tried": [{**c.figures(self.mfu(c)), "rung": c.rung} for c in self.tried]}
 
 
+def longest_stack(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
+                  margins, hw: Hardware, jobs: int = 1) -> Fastest:
+    """The most frugal stack of `source` (the ladder's last rung, the smallest legal U, serial stages): what reaches
+    the longest context; ConfigError when even it does not fit at `seq_length`."""
+    config = source.load([f"train.seq_length={seq_length}"])
+    plan = validate(config, world_size)
+    rung = ladder(source)[-1]
+    upipe = config.parallel.cp_strategy == "upipe"
+    U = min(legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a)) if upipe else None
+    chosen = (*rung.overrides, "memory.upipe_overlap=false", *([f"parallel.upipe_heads_per_stage={U}"] if upipe else []))
+    strategy = f"upipe:{U}" if upipe else config.parallel.cp_strategy
+    est = estimate(ConfigSource(source.path, (*source.overrides, *chosen)), world_size, vocab_size, strategy,
+                   seq_length, gpu_mem_bytes, margins, jobs=jobs)
+    if not est.fits:
+        raise ConfigError(
+            f"--longest: the most frugal stack ({', '.join(chosen)}) does not fit {gpu_mem_bytes / GIB:.2f} GiB per GPU "
+            f"at train.seq_length={seq_length}: it plans {est.peak_bytes / GIB:.2f} GiB"
+            f"{'' if est.host_fits else ' and exceeds the host memory'}; shorten train.seq_length or use more GPUs")
+    c = Candidate(chosen, len(ladder(source)) - 1, U, False, est, step_time(est, world_size, hw))
+    return Fastest(c, _baseline(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs), (c,),
+                   model_flops_per_step(source, world_size, vocab_size, seq_length), world_size, hw)
+
+
+def _baseline(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int, margins,
+              hw: Hardware, jobs: int) -> Candidate:
+    """The config as given at `seq_length` (U unset or auto: the smallest legal, as the planner plans it)."""
+    config = source.load([f"train.seq_length={seq_length}"])
+    plan = validate(config, world_size)
+    if config.parallel.cp_strategy == "upipe":
+        strategy = f"upipe:{plan.heads_per_stage}" if plan.heads_per_stage else "upipe"
+    else:
+        strategy = config.parallel.cp_strategy
+    est = estimate(source, world_size, vocab_size, strategy, seq_length, gpu_mem_bytes, margins, jobs=jobs)
+    return Candidate((), -1, plan.heads_per_stage, config.memory.upipe_overlap, est, step_time(est, world_size, hw))
+
+
 def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
                    margins, hw: Hardware, jobs: int = 1, log=None) -> Fastest:
     """The fastest stack of `source` that fits at `seq_length` (module docstring); ConfigError when none does."""
@@ -163,6 +200,13 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
                 lo = mid + 1
         return found if found is not None and found.estimate.fits else None
 
+    frugal = run(legal[-1], False, len(rungs) - 1)  # the least memory of all: if it does not fit, nothing does
+    if not frugal.estimate.fits:
+        raise ConfigError(
+            f"--fastest: no stack fits {gpu_mem_bytes / GIB:.2f} GiB per GPU at train.seq_length={seq_length}: the "
+            f"most frugal ({', '.join(frugal.overrides)}) plans {frugal.estimate.peak_bytes / GIB:.2f} GiB"
+            f"{'' if frugal.estimate.host_fits else ' and exceeds the host memory'}; shorten train.seq_length or "
+            f"use more GPUs")
     fitting: list[Candidate] = []
     for overlap in ((False, True) if upipe else (False,)):
         hi = len(rungs) - 1
@@ -176,19 +220,7 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
             hi = c.rung if overlap else c.rung - 1
             if hi < 0:
                 break
-    baseline_strategy = (f"upipe:{plan.heads_per_stage}" if plan.heads_per_stage else "upipe") if upipe else \
-        config.parallel.cp_strategy
-    base_est = estimate(source, world_size, vocab_size, baseline_strategy, seq_length, gpu_mem_bytes, margins,
-                        jobs=jobs)
-    baseline = Candidate((), -1, plan.heads_per_stage, config.memory.upipe_overlap, base_est,
-                         step_time(base_est, world_size, hw))
-    if not fitting:
-        frugal = min(seen.values(), key=lambda c: c.estimate.peak_bytes)
-        raise ConfigError(
-            f"--fastest: no stack fits {gpu_mem_bytes / GIB:.2f} GiB per GPU at train.seq_length={seq_length}: the "
-            f"most frugal tried ({', '.join(frugal.overrides)}) plans {frugal.estimate.peak_bytes / GIB:.2f} GiB"
-            f"{'' if frugal.estimate.host_fits else ' and exceeds the host memory'}; shorten train.seq_length or "
-            f"use more GPUs")
+    baseline = _baseline(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs)
     best = min(fitting, key=lambda c: (c.seconds, c.rung, -(c.heads_per_stage or 0)))
     return Fastest(best, baseline, tuple(seen.values()),
                    model_flops_per_step(source, world_size, vocab_size, seq_length), world_size, hw)

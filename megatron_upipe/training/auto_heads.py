@@ -39,17 +39,17 @@ def _nothing_to_plan_against(config: Config) -> bool:
     return config.memory.plan_gpu == "local" and not torch.cuda.is_available()
 
 
-def plan_gpu_spec(config: Config) -> str:
-    """memory.plan_gpu as tools/estimate_memory.py's --gpu takes it ("local" resolved to this GPU's GiB)."""
+def plan_gpu_spec(config: Config, setting: str = "parallel.upipe_heads_per_stage=auto") -> str:
+    """memory.plan_gpu as tools/estimate_memory.py's --gpu takes it ("local" resolved to this GPU's GiB); `setting`
+    is what asks for the plan (named in the refusal on a machine without a GPU)."""
     spec = config.memory.plan_gpu
     if spec != "local":
         return str(spec)
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError("parallel.upipe_heads_per_stage=auto plans against memory.plan_gpu=local, but this machine "
-                          "has no GPU: set memory.plan_gpu to the GPUs the job will run on (h100-80gb, h200, ... or "
-                          "usable GiB)")
+        raise ConfigError(f"{setting} plans against memory.plan_gpu=local, but this machine has no GPU: set "
+                          "memory.plan_gpu to the GPUs the job will run on (h100-80gb, h200, ... or usable GiB)")
     props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
     return f"{props.total_memory / 2**30:.4f}"
 
