@@ -45,8 +45,9 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
                       recompute: bool = False, offload=False, shard: bool = False,
                       bf16: bool = False, num_microbatches: int = 1,
                       grads_dtype: torch.dtype = torch.float32) -> MemoryRunResult:
-    """offload: True (an unpooled HostOffloader) or a function of the pp rank returning the offloader; grads_dtype:
-    Megatron-FSDP's gradient buffers (with shard)."""
+    """recompute: True (every layer) or N (the first N layers of each stage, memory.recompute_layers); offload: True
+    (an unpooled HostOffloader) or a function of the pp rank returning the offloader; grads_dtype: Megatron-FSDP's
+    gradient buffers (with shard)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -66,8 +67,8 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
     pg = initialize_parallel(layout)
     try:
         dtype = torch.bfloat16 if bf16 else torch.float32
-        config = llama_transformer_config(arch, layout, dtype=dtype,
-                                          recompute_granularity="full" if recompute else None)
+        config = llama_transformer_config(arch, layout, dtype=dtype, recompute_granularity="full" if recompute else None,
+                                          recompute_layers=None if isinstance(recompute, bool) else recompute)
         stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config,
                             offloader=offload(pg.pp.rank()) if callable(offload) else
                             HostOffloader() if offload else None)

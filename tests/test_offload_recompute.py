@@ -5,7 +5,8 @@ same HF-named weights and batch:
 - dp2: plain, megatron-core full recompute, full recompute + offload;
 - cp2 UPipe: plain, full recompute + offload;
 - pp2 (1F1B, 2 micro-batches): plain, full recompute + offload;
-- dp2 and pp2 also with the copy back prefetched one layer ahead (memory.offload_prefetch).
+- dp2 and pp2 also with the copy back prefetched one layer ahead (memory.offload_prefetch);
+- dp2 recomputing only the first 2 of the 4 layers (memory.recompute_layers), without and with offload.
 Checked: loss and every parameter gradient bit-identical to the plain run of the same layout (recompute replays the
 same ops in the same order; offload is a copy); the offloader's ledger holds exactly num_layers x [s/cp, b, D]
 float32 bytes after the forward and nothing after the step; the tracked device memory after the forward is lower by
@@ -30,6 +31,8 @@ VARIANTS = {  # name -> (layout kwargs, recompute, offload)
     "dp2+recompute": (dict(dp=2), True, False),
     "dp2+recompute+offload": (dict(dp=2), True, True),
     "dp2+recompute+offload+prefetch": (dict(dp=2), True, "prefetch"),
+    "dp2+recompute 2 of 4": (dict(dp=2), 2, False),  # memory.recompute_layers=2: megatron-core's block method
+    "dp2+recompute 2 of 4+offload+prefetch": (dict(dp=2), 2, "prefetch"),
     "cp2-upipe": (dict(cp=2, cp_strategy="upipe"), False, False),
     "cp2-upipe+recompute+offload": (dict(cp=2, cp_strategy="upipe"), True, True),
     "pp2": (dict(pp=2), False, False),  # 1F1B over 2 micro-batches: stage 0 holds both in flight
@@ -112,7 +115,8 @@ def test_losses_and_gradients_bit_identical(results):
     from tests.llama_harness import rel_err
 
     for per_rank in results:
-        for plain, others in (("dp2", ["dp2+recompute", "dp2+recompute+offload", "dp2+recompute+offload+prefetch"]),
+        for plain, others in (("dp2", ["dp2+recompute", "dp2+recompute+offload", "dp2+recompute+offload+prefetch",
+                                       "dp2+recompute 2 of 4", "dp2+recompute 2 of 4+offload+prefetch"]),
                               ("cp2-upipe", ["cp2-upipe+recompute+offload"]),
                               ("pp2", ["pp2+recompute+offload", "pp2+recompute+offload+prefetch"])):
             ref = per_rank[plain]
@@ -131,9 +135,10 @@ def test_losses_and_gradients_bit_identical(results):
 
 def test_host_ledger_holds_exactly_the_layer_inputs(results):
     for per_rank in results:
-        for name, (kw, _, off) in VARIANTS.items():
+        for name, (kw, rec, off) in VARIANTS.items():
             r = per_rank[name]
-            expected = LAYERS * _layer_input_bytes(kw) if off else 0
+            layers = LAYERS if rec is True else rec  # only the recomputed layers' inputs are offloaded
+            expected = layers * _layer_input_bytes(kw) if off else 0
             if name.startswith("pp2+"):  # L/2 layers per stage; the first forward of mb=1 of 2 rows
                 expected = LAYERS // 2 * _layer_input_bytes(dict(dp=2))
             assert r.host_after_forward == expected, (name, r.host_after_forward, expected)
@@ -157,6 +162,9 @@ def test_device_memory_drops_by_the_offloaded_inputs(results):
         off, pre = per_rank["dp2+recompute+offload"], per_rank["dp2+recompute+offload+prefetch"]
         assert pre.device_after_forward == off.device_after_forward
         assert pre.device_peak[0] - off.device_peak[0] == one, (pre.device_peak, off.device_peak, one)
+        # recomputing 2 of 4 layers: the device peak between none and all, its host copies 2 inputs
+        part = per_rank["dp2+recompute 2 of 4"].device_peak[0]
+        assert per_rank["dp2+recompute"].device_peak[0] < part < per_rank["dp2"].device_peak[0]
         # recompute itself lowers the peak (sanity of the measurement)
         assert per_rank["dp2+recompute"].device_peak[0] < per_rank["dp2"].device_peak[0]
         assert per_rank["cp2-upipe+recompute+offload"].device_peak[0] < per_rank["cp2-upipe"].device_peak[0]

@@ -19,6 +19,13 @@ CASES = {
     "ulysses cp2 x dp2, distributed optimizer, no recompute": [
         "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=1024", "train.distributed_optimizer=true",
         "train.global_batch_size=2"],
+    "upipe cp4, sharded states, recompute 3 of 8 layers + offload, tiled MLP, chunked loss": [
+        "parallel.cp=4", "parallel.cp_strategy=upipe", "train.seq_length=2048", "memory.recompute=full",
+        "memory.recompute_layers=3", "memory.offload_checkpoints=true", "memory.mlp_chunks=4",
+        "memory.loss_chunks=4", "memory.shard_model_states=true", "train.bf16=true"],
+    "ulysses cp2 x dp2, recompute 2 of 8 layers": [
+        "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=1024", "memory.recompute=full",
+        "memory.recompute_layers=2", "train.global_batch_size=2"],
     "pp2 x cp2 upipe, full recompute": [
         "parallel.pp=2", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=1024",
         "memory.recompute=full", "train.global_batch_size=2"],

@@ -370,6 +370,10 @@ class DistConfig:
 class MemoryConfig:
     section: ClassVar[str] = "memory"
     recompute: Literal["none", "selective", "full"] = "none"  # megatron-core activation recompute granularity
+    # With recompute=full: recompute only the first N transformer layers of each pipeline stage (megatron-core's
+    # "block" method, one layer per checkpoint); the others keep their activations: faster, more memory. With
+    # offload_checkpoints only those N inputs go to the host. null = every layer.
+    recompute_layers: int | None = None
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA init)
     # Sequence tiles of every layer's SwiGLU MLP, each tile's fc1/SwiGLU recomputed in backward, so no [s, b, ffn]
     # tensor is alive whole; any sequence length works (tiles differ by at most one token). 1 = off.
@@ -440,7 +444,10 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _refuse([
-            *_positive(self, "mlp_chunks", "loss_chunks", "host_mem_gib"),
+            *_positive(self, "mlp_chunks", "loss_chunks", "host_mem_gib", "recompute_layers"),
+            (self.recompute_layers is not None and self.recompute != "full",
+             f"memory.recompute_layers={self.recompute_layers} limits full recompute, but "
+             f"memory.recompute={self.recompute}: set memory.recompute=full or memory.recompute_layers=null"),
             (self.offload_checkpoints and self.recompute != "full",
              f"memory.offload_checkpoints=true offloads the layer inputs that full recompute saves, but "
              f"memory.recompute={self.recompute}: set memory.recompute=full or memory.offload_checkpoints=false"),

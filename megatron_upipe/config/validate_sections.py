@@ -143,6 +143,10 @@ def check_pipeline(config: Config, arch: LlamaArch, n_micro: int, errors: list[s
     elif p.pp > 1 and 0 < n_micro < p.pp:
         warnings.append(f"parallel.pp={p.pp} with only {n_micro} micro-batch(es) per step leaves the pipeline "
                         f"mostly idle: raise train.global_batch_size")
+    n = config.memory.recompute_layers
+    if n is not None and not arch.num_layers % p.pp and n > arch.num_layers // p.pp:
+        errors.append(f"memory.recompute_layers={n} exceeds the {arch.num_layers // p.pp} layers of a pipeline stage: "
+                      f"give at most {arch.num_layers // p.pp}, or null for every layer")
 
 
 def check_data(config: Config, arch: LlamaArch, errors: list[str]) -> int | None:

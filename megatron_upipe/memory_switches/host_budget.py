@@ -86,10 +86,14 @@ def ranks_on_this_node(world_size: int) -> int:
 
 
 def layers_in_flight(config: "Config", plan: "Plan", pp_rank: int = 0) -> int:
-    """Layer inputs a rank of pipeline stage `pp_rank` holds at once: L x micro-batches in flight."""
+    """Layer inputs a rank of pipeline stage `pp_rank` holds at once: recomputed layers of the stage (all L/pp, or
+    memory.recompute_layers) x micro-batches in flight."""
     pp = config.parallel.pp
     in_flight = 1 if pp == 1 else min(pp - pp_rank, plan.num_microbatches)
-    return plan.arch.num_layers // pp * in_flight
+    layers = plan.arch.num_layers // pp
+    if config.memory.recompute_layers is not None:
+        layers = min(layers, config.memory.recompute_layers)
+    return layers * in_flight
 
 
 def layer_input_bytes(config: "Config", plan: "Plan", dtype_bytes: int) -> int:

@@ -45,20 +45,24 @@ def _drop_output(layer, args, output):
 
 def require_per_layer_recompute(config, what: str) -> None:
     """ValueError naming `what` unless `config` (a TransformerConfig) runs megatron-core's full recompute with one
-    layer per checkpoint, the one setting the memory_switches hooks are written for."""
-    if config.recompute_granularity != "full" or config.recompute_method != "uniform" \
-            or config.recompute_num_layers != 1:
+    layer per checkpoint, the setting the memory_switches hooks are written for: method "uniform" with one layer per
+    chunk (every layer), or method "block" (the first recompute_num_layers layers, each in a checkpoint of its own;
+    the others run plainly and the hooks leave them alone)."""
+    one_each = config.recompute_method == "block" or (config.recompute_method == "uniform"
+                                                      and config.recompute_num_layers == 1)
+    if config.recompute_granularity != "full" or not one_each:
         raise ValueError(
             f"{what} needs megatron-core's full recompute of one layer per checkpoint "
-            "(recompute_granularity='full', recompute_method='uniform', recompute_num_layers=1); got "
-            f"{config.recompute_granularity!r}, {config.recompute_method!r}, {config.recompute_num_layers!r}")
+            "(recompute_granularity='full' with recompute_method='uniform' and recompute_num_layers=1, or "
+            f"recompute_method='block'); got {config.recompute_granularity!r}, {config.recompute_method!r}, "
+            f"{config.recompute_num_layers!r}")
 
 
 def drop_recomputed_outputs(model: torch.nn.Module, config) -> list:
     """Install the hook on every TransformerLayer of `model` (TransformerConfig `config`); returns the handles.
 
-    Needs one layer per checkpoint (recompute_method='uniform', recompute_num_layers=1): inside a chunk of several
-    layers an output is the next layer's input, whose values are read."""
+    Needs one layer per checkpoint (require_per_layer_recompute): inside a chunk of several layers an output is the
+    next layer's input, whose values are read."""
     require_per_layer_recompute(config, "dropping recomputed layer outputs")
     return [m.register_forward_hook(_drop_output) for m in model.modules()
             if type(m).__name__ == "TransformerLayer"]

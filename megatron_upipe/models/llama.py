@@ -43,11 +43,13 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) 
 
 def llama_transformer_config(
     arch: LlamaArch, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32, init_method_std: float = 0.02,
-    recompute_granularity: str | None = None,
+    recompute_granularity: str | None = None, recompute_layers: int | None = None,
 ) -> TransformerConfig:
     """LlamaArch + ParallelLayout -> megatron-core TransformerConfig (no dropout, fused ops off on CPU; biases only on
     q, k, v with arch.qkv_bias; RMSNorm of q and k heads with arch.qk_norm; yarn's attention factor in the softmax
-    scale, see models/rope_scaling.py)."""
+    scale, see models/rope_scaling.py). Full recompute checkpoints one layer at a time: every layer (method
+    "uniform", one layer per chunk), or with `recompute_layers` = N the first N of each pipeline stage (method
+    "block"; the others keep their activations)."""
     on_gpu = torch.cuda.is_available()
     logit_scale = arch.rope_scaling.logit_scale if arch.rope_scaling is not None else 1.0
     return TransformerConfig(
@@ -83,8 +85,9 @@ def llama_transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         recompute_granularity=recompute_granularity,
-        recompute_method="uniform" if recompute_granularity == "full" else None,
-        recompute_num_layers=1 if recompute_granularity == "full" else None,
+        recompute_method=None if recompute_granularity != "full" else "uniform" if recompute_layers is None else "block",
+        recompute_num_layers=None if recompute_granularity != "full" else 1 if recompute_layers is None
+        else recompute_layers,
     )
 
 

@@ -10,6 +10,13 @@ prefetch spans k layers needs a > k (`base_depth`). tests/test_planner_depth.py 
 the full simulation; the tuple of named buffers is the deeper simulation's (named buffers of one more layer's
 model states are not listed).
 
+With memory.recompute_layers = N < L (megatron-core's block method: the first N layers of a stage recomputed, the
+other K = L - N keeping their activations) the layers are of two kinds, and a quantity is affine in each count: N
+inputs held (device or host) and K layers' activations, all alive when the backward starts in the kept layers.
+Three simulations, at (N, K) = (a, 2), (a + 1, 2) and (a, 3), give q(N, K) = q(a, 2) + (N - a) * dN + (K - 2) * dK.
+Two kept layers at least, so that the peak sits in the kept layers in all three (with one, the recomputed layer's
+own backward can be as large).
+
 Legend: L layers per stage of the planned config (model.num_layers / parallel.pp).
 """
 
@@ -29,9 +36,10 @@ def layers_per_stage(config: Config, world_size: int) -> int:
     return validate(config, world_size).arch.num_layers // config.parallel.pp
 
 
-def with_depth(config: Config, depth: int) -> Config:
-    """`config` with `depth` layers per pipeline stage."""
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=depth * config.parallel.pp))
+def with_depth(config: Config, depth: int, recompute_layers: int | None = None) -> Config:
+    """`config` with `depth` layers per pipeline stage (and memory.recompute_layers as given)."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=depth * config.parallel.pp),
+                               memory=dataclasses.replace(config.memory, recompute_layers=recompute_layers))
 
 
 def extrapolate(shallow: StepMemory, deeper: StepMemory, a: int, b: int, depth: int) -> StepMemory:
@@ -50,13 +58,36 @@ def extrapolate(shallow: StepMemory, deeper: StepMemory, a: int, b: int, depth: 
     return dataclasses.replace(deeper, **ints, **dicts)
 
 
+def extrapolate_two_kinds(base: StepMemory, more_recomputed: StepMemory, more_kept: StepMemory, a: int,
+                          recomputed: int, kept: int) -> StepMemory:
+    """The step with `recomputed` + `kept` layers per stage from simulations at (a, 2), (a + 1, 2) and (a, 3)
+    (see the module docstring)."""
+    if not (0 < a <= recomputed and 2 <= kept):
+        raise ValueError(f"two-kind extrapolation needs 0 < a <= recomputed and kept >= 2, got a={a}, "
+                         f"recomputed={recomputed}, kept={kept}")
+
+    def plane(q0: int, qn: int, qk: int) -> int:
+        return q0 + (recomputed - a) * (qn - q0) + (kept - 2) * (qk - q0)
+
+    ints = {k: plane(getattr(base, k), getattr(more_recomputed, k), getattr(more_kept, k)) for k in _LINEAR_INTS}
+    dicts = {}
+    for k in _LINEAR_DICTS:
+        d0, dn, dk = (getattr(x, k) or {} for x in (base, more_recomputed, more_kept))
+        dicts[k] = {c: plane(d0.get(c, 0), dn.get(c, 0), dk.get(c, 0)) for c in {**d0, **dn, **dk}}
+    return dataclasses.replace(more_kept, **ints, **dicts)
+
+
 def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes: int = 0,
                   base_depth: int = 2, jobs: int = 1) -> StepMemory:
     """simulate_step of `config`, from simulations at base_depth and base_depth + 1 layers per stage when the
     model is deeper than base_depth + 2 (else the full simulation); with jobs > 1 the two run side by side in
-    forked workers (workers.py)."""
+    forked workers (workers.py). With memory.recompute_layers below the stage's depth: three simulations of two
+    kinds of layer (module docstring)."""
     depth = layers_per_stage(config, world_size)
     m = config.memory
+    if m.recompute_layers is not None and m.recompute_layers < depth:
+        return _simulate_two_kinds(config, world_size, vocab_size, named_bytes, base_depth, jobs, depth)
+    config = with_depth(config, depth)  # recompute_layers >= depth: every layer, as null
     if m.shard_model_states:  # Megatron-FSDP gathers the computing layer and prefetches one (fsdp_communication_unit
         base_depth = max(base_depth, 3)  # =layer): periodic from 3 layers
     a, b = base_depth, base_depth + 1
@@ -69,3 +100,18 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     shallow, deeper = run_all(simulate_step, [(with_depth(config, a), world_size, vocab_size, 0),
                                               (with_depth(config, b), world_size, vocab_size, named_bytes)], jobs)
     return extrapolate(shallow, deeper, a, b, depth)
+
+
+def _simulate_two_kinds(config: Config, world_size: int, vocab_size: int, named_bytes: int, base_depth: int,
+                        jobs: int, depth: int) -> StepMemory:
+    m = config.memory
+    a = max(base_depth, 3) if m.shard_model_states else base_depth
+    recomputed, kept = m.recompute_layers, depth - m.recompute_layers
+    if recomputed < a or kept < 2 or depth <= a + 4:  # too shallow to extrapolate: simulate it whole
+        return simulate_step(config, world_size, vocab_size, named_bytes)
+    if jobs > 1:
+        preload()
+    runs = [(with_depth(config, r + k, r), world_size, vocab_size, named_bytes if (r, k) == (a, 3) else 0)
+            for r, k in ((a, 2), (a + 1, 2), (a, 3))]
+    base, more_recomputed, more_kept = run_all(simulate_step, runs, jobs)
+    return extrapolate_two_kinds(base, more_recomputed, more_kept, a, recomputed, kept)

@@ -250,7 +250,8 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
 
     recompute = None if config.memory.recompute == "none" else config.memory.recompute
     tconfig = llama_transformer_config(plan.arch, layout, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                       init_method_std=config.model.init_method_std, recompute_granularity=recompute)
+                                       init_method_std=config.model.init_method_std, recompute_granularity=recompute,
+                                       recompute_layers=config.memory.recompute_layers)
     stage = build_llama(plan.arch, layout, pg, vocab_size=vocab_size, config=tconfig,
                         attention_kernel=_planned_kernel(config) if planning else config.model.attention_kernel,
                         **_memory_kwargs(config, plan, bf16))

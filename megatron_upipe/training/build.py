@@ -140,7 +140,8 @@ def build_stage(config: Config, plan: Plan, groups: Groups, vocab: int, arch: Ll
     arch = arch if arch is not None else plan.arch
     tconfig = llama_transformer_config(arch, groups.layout, dtype=torch.bfloat16 if use_bf16(config) else
                                        torch.float32, init_method_std=config.model.init_method_std,
-                                       recompute_granularity=recompute)
+                                       recompute_granularity=recompute,
+                                       recompute_layers=config.memory.recompute_layers)
     stage = build_llama(arch, groups.layout, groups.pg, vocab_size=vocab, config=tconfig,
                         attention_kernel=config.model.attention_kernel, kernel_device=groups.device,
                         **memory_switches(config, plan, use_bf16(config), pp_rank=groups.pg.pp.rank()))
