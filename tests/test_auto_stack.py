@@ -20,9 +20,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ["model.vocab_size=512", "data.path=mock", "data.tokenizer=null", "train.seq_length=16384",
          "train.micro_batch_size=1", "train.global_batch_size=1", "memory.plan_check=false"]
-FASTEST = ("memory.recompute=none memory.offload_checkpoints=false memory.offload_prefetch=false memory.mlp_chunks=8 "
-           "memory.loss_chunks=16 memory.shard_model_states=true memory.upipe_overlap=false "
-           "parallel.upipe_heads_per_stage=8")
+FASTEST = ("memory.recompute=none memory.recompute_layers=null memory.offload_checkpoints=false "
+           "memory.offload_prefetch=false memory.mlp_chunks=8 memory.loss_chunks=16 memory.shard_model_states=true "
+           "memory.upipe_overlap=false parallel.upipe_heads_per_stage=8")
 
 
 def _pretrain(*overrides, torchrun: bool = False, dry_run: bool = False, timeout: int = 600):

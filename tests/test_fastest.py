@@ -1,7 +1,8 @@
 """`tools/estimate_memory.py --fastest`: the fastest stack that fits (planner/fastest.py).
 
-The shape: the `tiny` preset (8 query / 4 KV heads) on cp 2 at 16K tokens, float32, where the memory ladder's rungs
-differ by tens of MiB. Every stack the search could choose (every legal U x pipelined stages x rung) is planned once
+The shape: the `tiny-mha` preset (4 heads, 4 layers: partial recompute of 1 and 2) on cp 2 at 16K tokens, float32,
+where the memory ladders' rungs differ by MiB. Every stack the search could choose (every legal U x pipelined
+stages x ladder x rung: 30) is planned once
 (the brute force); the search, run at several device sizes with those same plans, must return the fastest stack
 that fits among all of them, having planned fewer; the ladder's premise (device memory falls and the modelled time
 rises rung by rung) holds in the brute force; when nothing fits it refuses in one line. The CLI writes the JSON the
@@ -22,7 +23,8 @@ from tests.dist_helper import run_on_ranks
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "examples/configs/tiny_cpu.yaml")
 SEQ, VOCAB = 16384, 512  # mock data draws ids below max(vocab, 258)
-SHAPE = (f"model.vocab_size={VOCAB}", "data.path=mock", "data.tokenizer=null", "train.micro_batch_size=1", "train.global_batch_size=1", "memory.plan_check=false")
+SHAPE = ("model.preset=tiny-mha", "model.num_layers=4", f"model.vocab_size={VOCAB}", "data.path=mock",
+         "data.tokenizer=null", "train.micro_batch_size=1", "train.global_batch_size=1", "memory.plan_check=false")
 NO_MARGINS = ["--cuda-context-gib", "0", "--nccl-gib", "0", "--fragmentation", "0"]
 GIB = 2**30
 
@@ -50,28 +52,29 @@ def _job(rank, world_size, capacities):
 
     fastest.estimate = planned  # every plan once, shared by the brute force and the searches
     source = ConfigSource(CONFIG, SHAPE)
-    rungs = fastest.ladder(source)
+    chains = fastest.ladders(source, 2)
     brute = {}
-    for U in (2, 4, 8):
-        for overlap in (False, True) if U < 8 else (False,):
-            for r, rung in enumerate(rungs):
-                s = ConfigSource(CONFIG, (*SHAPE, *rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}"))
-                e = planned(s, 2, VOCAB, f"upipe:{U}", SEQ, 2**50, none)
-                brute[(U, overlap, r)] = (e.peak_bytes, e.host_fits, fastest.step_time(e, 2, hw).seconds)
+    for U in (2, 4):
+        for overlap in (False, True) if U < 4 else (False,):
+            for chain, rungs in chains.items():
+                for r, rung in enumerate(rungs):
+                    s = ConfigSource(CONFIG, (*SHAPE, *rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}"))
+                    e = planned(s, 2, VOCAB, f"upipe:{U}", SEQ, 2**50, none)
+                    brute[(U, overlap, chain, r)] = (e.peak_bytes, e.host_fits, fastest.step_time(e, 2, hw).seconds)
     found = {}
     for gib in capacities:
         before = len(plans)
         try:
             f = fastest.search_fastest(source, 2, VOCAB, SEQ, int(gib * GIB), none, hw)
             b = f.best
-            found[gib] = ((b.heads_per_stage, b.overlap, b.rung), b.seconds, len(f.tried), f.to_dict())
+            found[gib] = ((b.heads_per_stage, b.overlap, b.ladder, b.rung), b.seconds, len(f.tried), f.to_dict())
         except ConfigError as e:
             found[gib] = str(e)
         assert len(plans) - before <= 1  # the baseline at most: the brute force planned every stack
-    return brute, found, len(rungs)
+    return brute, found, {name: len(rungs) for name, rungs in chains.items()}
 
 
-CAPACITIES = (1.0, 0.06, 0.035, 0.025, 0.001)
+CAPACITIES = (1.0, 0.06, 0.05, 0.035, 0.025, 0.001)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +83,10 @@ def searched():
 
 
 def test_ladder_premise_memory_falls_and_time_rises_rung_by_rung(searched):
-    brute, _, n = searched
-    for U, overlap in {(U, o) for U, o, _ in brute}:
-        peaks = [brute[(U, overlap, r)][0] for r in range(n)]
-        times = [brute[(U, overlap, r)][2] for r in range(n)]
+    brute, _, sizes = searched
+    for U, overlap, chain in {(U, o, c) for U, o, c, _ in brute}:
+        peaks = [brute[(U, overlap, chain, r)][0] for r in range(sizes[chain])]
+        times = [brute[(U, overlap, chain, r)][2] for r in range(sizes[chain])]
         assert peaks == sorted(peaks, reverse=True), (U, overlap, peaks)
         assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:])), (U, overlap, times)  # float sums
 
@@ -103,8 +106,9 @@ def test_search_returns_the_fastest_stack_that_fits(searched, gib):
 
 def test_capacities_make_different_choices(searched):
     _, found, _ = searched
-    rungs = {found[g][0][2] for g in CAPACITIES[:-1]}
-    assert len(rungs) >= 3, found  # the shape exercises the ladder, not only its first rung
+    rungs = {found[g][0][2:] for g in CAPACITIES[:-1]}
+    assert len(rungs) == len(CAPACITIES) - 1, found  # the shape exercises both ladders, partial recompute included
+    assert any(f[0][2] == "offloaded" and f[0][3] < 2 for f in found.values() if not isinstance(f, str)), found
 
 
 def test_nothing_fits_refuses_in_one_line(searched):

@@ -94,7 +94,10 @@ def _stack(d: dict) -> str:
     parts = [f"U={o['parallel.upipe_heads_per_stage']}" if "parallel.upipe_heads_per_stage" in o else "Ulysses"]
     if o.get("memory.upipe_overlap") == "true":
         parts.append("pipelined")
-    parts.append({"none": "no recompute", "full": "full recompute"}.get(o.get("memory.recompute"), ""))
+    if o.get("memory.recompute") == "full" and o.get("memory.recompute_layers", "null") != "null":
+        parts.append(f"recompute {o['memory.recompute_layers']} layers")
+    else:
+        parts.append({"none": "no recompute", "full": "full recompute"}.get(o.get("memory.recompute"), ""))
     if o.get("memory.offload_checkpoints") == "true":
         parts.append("offload" + (" (prefetched)" if o.get("memory.offload_prefetch") == "true" else ""))
     if o.get("memory.mlp_chunks", "1") != "1":

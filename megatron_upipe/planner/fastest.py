@@ -1,29 +1,35 @@
 """The fastest stack that fits: U, pipelined stages and the memory switches chosen for one length.
 
 A stack is the config as given with three things chosen: UPipe's U (`parallel.upipe_heads_per_stage`), pipelined
-stages (`memory.upipe_overlap`) and a rung of the memory ladder below. Each rung keeps the switches of the one
-before it and adds one that saves device memory and costs time:
+stages (`memory.upipe_overlap`) and a rung of one of two memory ladders. Each rung keeps the switches of the one
+before it and adds one that saves device memory and costs time (L = layers per pipeline stage; partial recompute
+at N = L/4, L/2, 3L/4 where that keeps two layers at least, megatron-core's block method, memory.recompute_layers):
 
-    0 activations kept   recompute none, no tiles, no offload, model states as the config has them unsharded
-    1 + ZeRO-3           memory.shard_model_states (Megatron-FSDP; skipped with pipeline parallelism)
-    2 + tiles            memory.mlp_chunks / loss_chunks (the config's counts when > 1, else 8 and 16)
-    3 + full recompute   memory.recompute=full
-    4 + offload          memory.offload_checkpoints with memory.offload_prefetch (the copy back hidden)
-    5 + offload, serial  memory.offload_prefetch=false (one layer input less on the device)
+    on device                                   offloaded
+    0 activations kept (no recompute, no        0 recompute N = L/4, its inputs offloaded (prefetched), tiles,
+      tiles, no offload, unsharded states)        ZeRO-3
+    1 + ZeRO-3 (skipped with pipeline           1 N = L/2, offloaded     2 N = 3L/4, offloaded
+      parallelism)                              3 full recompute, offloaded (prefetched)
+    2 + tiled MLP and chunked loss (the         4 full recompute, offloaded, not prefetched (one input less on
+      config's counts when > 1, else 8, 16)       the device)
+    3 + recompute N = L/4   4 N = L/2   5 N = 3L/4
+    6 + full recompute
 
-Why a ladder and not every combination: the planner's device peak falls rung by rung and the step-time model's
-time rises rung by rung (each adds recomputed FLOPs or exposed copies, or overlapped collectives); both are
-monotonic by construction, so for a given U and overlap the first rung that fits is the fastest that fits, found
-by bisection (about log2(6) simulations instead of 6); the most frugal stack of all (the last rung at the smallest
-U, serial) is planned first, and if it does not fit nothing does. Across U: a smaller U plans less attention memory; with
-serial stages it is never faster at the same rung (tests/test_step_time.py), so after U fits at rung r a smaller U
-is tried only below r; with pipelined stages at rung r or below. Every candidate tried is a full planner estimate
-(device and host, with the margins given), priced by the step-time model; the fastest that fits wins (ties: the
-lower rung, then the larger U).
+Why ladders and not every combination: on a ladder the planner's device peak falls rung by rung and the step-time
+model's time rises rung by rung (each adds recomputed FLOPs or exposed copies, or overlapped collectives; a partial
+rung keeps two layers at least: with one kept layer a tiny model's peak can exceed full recompute's), so for a
+given U and overlap the first rung that fits is the fastest that fits, found by bisection. The offloaded ladder
+holds less on the device than the on-device one at the same N, for the same time (its copies back are prefetched)
+but host memory; it is searched only below the N the on-device ladder needed. The most frugal stack of all (the
+offloaded ladder's last rung at the smallest U, serial) is planned first: if it does not fit, nothing does. Across
+U: a smaller U plans less attention memory; with serial stages it is never faster at the same rung
+(tests/test_step_time.py), so after U fits at rung r a smaller U is tried only below r; with pipelined stages at r
+or below. Every candidate tried is a full planner estimate (device and host, with the margins given), priced by the
+step-time model; the fastest that fits wins (ties: on the device, the lower rung, then the larger U).
 
 Not searched (the step-time model cannot price them yet, so a choice among them would be a guess): tensor and
 pipeline parallel sizes and the ring split (TP's sequence-parallel collectives sit on the critical path, which the
-model treats as overlapped), partial recompute or offload of some layers, and `memory.attention_grad_accum`, which
+model treats as overlapped), other partial depths than the quarters, and `memory.attention_grad_accum`, which
 changes the numerics. They stay as the config has them.
 """
 
@@ -43,25 +49,38 @@ DEFAULT_MLP_CHUNKS, DEFAULT_LOSS_CHUNKS = 8, 16
 class Rung:
     name: str
     overrides: tuple[str, ...]  # memory.* settings, on top of the config as given
+    recomputed: int  # layers of a stage recomputed
 
 
-def ladder(source: ConfigSource) -> tuple[Rung, ...]:
-    """The memory ladder of `source`'s config (module docstring)."""
-    m, pp = source.load().memory, source.load().parallel.pp
+ON_DEVICE, OFFLOADED = "on device", "offloaded"
+
+
+def ladders(source: ConfigSource, world_size: int) -> dict[str, tuple[Rung, ...]]:
+    """The two memory ladders of `source`'s config (module docstring)."""
+    config = source.load()
+    m, pp = config.memory, config.parallel.pp
+    L = validate(config, world_size).arch.num_layers // pp
     tiles = (f"memory.mlp_chunks={m.mlp_chunks if m.mlp_chunks > 1 else DEFAULT_MLP_CHUNKS}",
              f"memory.loss_chunks={m.loss_chunks if m.loss_chunks > 1 else DEFAULT_LOSS_CHUNKS}")
-    plain = ("memory.recompute=none", "memory.offload_checkpoints=false", "memory.offload_prefetch=false",
-             "memory.mlp_chunks=1", "memory.loss_chunks=1", "memory.shard_model_states=false")
-    rungs = [Rung("activations kept", plain)]
+    plain = ("memory.recompute=none", "memory.recompute_layers=null", "memory.offload_checkpoints=false",
+             "memory.offload_prefetch=false", "memory.mlp_chunks=1", "memory.loss_chunks=1",
+             "memory.shard_model_states=false")
+    partial = sorted(n for n in {L * i // 4 for i in (1, 2, 3)} if 0 < n <= L - 2)  # two layers kept at least
+    kept = [Rung("activations kept", plain, 0)]
     if pp == 1:  # Megatron-FSDP is not combined with pipeline parallelism
-        rungs.append(Rung("+ ZeRO-3", (*rungs[-1].overrides, "memory.shard_model_states=true")))
-    rungs.append(Rung("+ tiled MLP and chunked loss", (*rungs[-1].overrides, *tiles)))
-    rungs.append(Rung("+ full recompute", (*rungs[-1].overrides, "memory.recompute=full")))
-    rungs.append(Rung("+ offloaded layer inputs, prefetched", (*rungs[-1].overrides, "memory.offload_checkpoints=true",
-                                                              "memory.offload_prefetch=true")))
-    rungs.append(Rung("+ offloaded layer inputs, not prefetched", (*rungs[-1].overrides,
-                                                                  "memory.offload_prefetch=false")))
-    return tuple(Rung(r.name, _settled(r.overrides)) for r in rungs)
+        kept.append(Rung("+ ZeRO-3", (*kept[-1].overrides, "memory.shard_model_states=true"), 0))
+    kept.append(Rung("+ tiled MLP and chunked loss", (*kept[-1].overrides, *tiles), 0))
+    base = kept[-1].overrides
+    device = [*kept, *(Rung(f"+ recompute {n} of {L} layers", (*base, "memory.recompute=full",
+                                                                f"memory.recompute_layers={n}"), n) for n in partial),
+              Rung("+ full recompute", (*base, "memory.recompute=full"), L)]
+    off = (*base, "memory.recompute=full", "memory.offload_checkpoints=true", "memory.offload_prefetch=true")
+    offloaded = [*(Rung(f"recompute {n} of {L} layers, inputs offloaded", (*off, f"memory.recompute_layers={n}"), n)
+                   for n in partial),
+                 Rung("full recompute, inputs offloaded", off, L),
+                 Rung("full recompute, inputs offloaded, not prefetched", (*off, "memory.offload_prefetch=false"), L)]
+    return {name: tuple(Rung(r.name, _settled(r.overrides), r.recomputed) for r in rungs)
+            for name, rungs in ((ON_DEVICE, device), (OFFLOADED, offloaded))}
 
 
 def _settled(overrides: tuple[str, ...]) -> tuple[str, ...]:
@@ -89,6 +108,7 @@ def model_flops_per_step(source: ConfigSource, world_size: int, vocab_size: int,
 @dataclass(frozen=True)
 class Candidate:
     overrides: tuple[str, ...]  # what to add to the config (section.key=value)
+    ladder: str  # ON_DEVICE or OFFLOADED ("" for the config as given)
     rung: int
     heads_per_stage: int | None
     overlap: bool
@@ -119,9 +139,9 @@ class Fastest:
         return self.model_flops / self.world_size / (c.seconds * self.hw.peak_flops)
 
     def to_dict(self) -> dict:
-        return {**self.best.figures(self.mfu(self.best)), "rung": self.best.rung,
+        return {**self.best.figures(self.mfu(self.best)), "ladder": self.best.ladder, "rung": self.best.rung,
                 "baseline": self.baseline.figures(self.mfu(self.baseline)),
-                "tried": [{**c.figures(self.mfu(c)), "rung": c.rung} for c in self.tried]}
+                "tried": [{**c.figures(self.mfu(c)), "ladder": c.ladder, "rung": c.rung} for c in self.tried]}
 
 
 def longest_stack(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
@@ -130,7 +150,8 @@ def longest_stack(source: ConfigSource, world_size: int, vocab_size: int, seq_le
     the longest context; ConfigError when even it does not fit at `seq_length`."""
     config = source.load([f"train.seq_length={seq_length}"])
     plan = validate(config, world_size)
-    rung = ladder(source)[-1]
+    frugal = ladders(source, world_size)[OFFLOADED]
+    rung = frugal[-1]
     upipe = config.parallel.cp_strategy == "upipe"
     U = min(legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a)) if upipe else None
     chosen = (*rung.overrides, "memory.upipe_overlap=false", *([f"parallel.upipe_heads_per_stage={U}"] if upipe else []))
@@ -142,7 +163,7 @@ def longest_stack(source: ConfigSource, world_size: int, vocab_size: int, seq_le
             f"--longest: the most frugal stack ({', '.join(chosen)}) does not fit {gpu_mem_bytes / GIB:.2f} GiB per GPU "
             f"at train.seq_length={seq_length}: it plans {est.peak_bytes / GIB:.2f} GiB"
             f"{'' if est.host_fits else ' and exceeds the host memory'}; shorten train.seq_length or use more GPUs")
-    c = Candidate(chosen, len(ladder(source)) - 1, U, False, est, step_time(est, world_size, hw))
+    c = Candidate(chosen, OFFLOADED, len(frugal) - 1, U, False, est, step_time(est, world_size, hw))
     return Fastest(c, _baseline(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs), (c,),
                    model_flops_per_step(source, world_size, vocab_size, seq_length), world_size, hw)
 
@@ -157,7 +178,8 @@ def _baseline(source: ConfigSource, world_size: int, vocab_size: int, seq_length
     else:
         strategy = config.parallel.cp_strategy
     est = estimate(source, world_size, vocab_size, strategy, seq_length, gpu_mem_bytes, margins, jobs=jobs)
-    return Candidate((), -1, plan.heads_per_stage, config.memory.upipe_overlap, est, step_time(est, world_size, hw))
+    return Candidate((), "", -1, plan.heads_per_stage, config.memory.upipe_overlap, est,
+                     step_time(est, world_size, hw))
 
 
 def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
@@ -165,42 +187,43 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
     """The fastest stack of `source` that fits at `seq_length` (module docstring); ConfigError when none does."""
     config = source.load([f"train.seq_length={seq_length}"])
     plan = validate(config, world_size)
-    rungs = ladder(source)
+    chains = ladders(source, world_size)
     upipe = config.parallel.cp_strategy == "upipe"
     legal = sorted(legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a),
                    reverse=True) if upipe else [None]
     seen: dict[tuple, Candidate] = {}
 
-    def run(U: int | None, overlap: bool, r: int) -> Candidate:
-        key = (U, overlap, r)
+    def run(U: int | None, overlap: bool, chain: str, r: int) -> Candidate:
+        key = (U, overlap, chain, r)
         if key not in seen:
-            extra = (*rungs[r].overrides, f"memory.upipe_overlap={str(overlap).lower()}")
+            rung = chains[chain][r]
+            extra = (*rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}")
             strategy = f"upipe:{U}" if upipe else config.parallel.cp_strategy
             est = estimate(ConfigSource(source.path, (*source.overrides, *extra)), world_size, vocab_size, strategy,
                            seq_length, gpu_mem_bytes, margins, jobs=jobs)
             chosen = (*extra, *([f"parallel.upipe_heads_per_stage={U}"] if upipe else []))
-            seen[key] = Candidate(chosen, r, U, overlap, est, step_time(est, world_size, hw))
+            c = seen[key] = Candidate(chosen, chain, r, U, overlap, est, step_time(est, world_size, hw))
             if log is not None:
-                c = seen[key]
-                log(f"  U={U} overlap={overlap} rung {r} ({rungs[r].name}): {est.peak_bytes / GIB:.2f} GiB, "
-                    f"{'fits' if est.fits else 'device fits, host does not' if est.peak_bytes <= gpu_mem_bytes else 'does not fit'}"
-                    f", {c.seconds:.2f} s/step")
+                verdict = "fits" if est.fits else \
+                    "device fits, host does not" if est.peak_bytes <= gpu_mem_bytes else "does not fit"
+                log(f"  U={U} overlap={overlap} {chain} {r} ({rung.name}): {est.peak_bytes / GIB:.2f} GiB, {verdict}, "
+                    f"{c.seconds:.2f} s/step")
         return seen[key]
 
-    def first_fit(U, overlap, hi: int) -> Candidate | None:
-        """The lowest rung in [0, hi] whose device peak fits (bisection: the peak falls rung by rung), if it also
-        fits the host."""
+    def first_fit(U, overlap, chain: str, hi: int) -> Candidate | None:
+        """The lowest rung of `chain` in [0, hi] whose device peak fits (bisection: the peak falls rung by rung), if
+        it also fits the host."""
         lo, found = 0, None
         while lo <= hi:
             mid = (lo + hi) // 2
-            c = run(U, overlap, mid)
+            c = run(U, overlap, chain, mid)
             if c.estimate.peak_bytes <= gpu_mem_bytes:
                 found, hi = c, mid - 1
             else:
                 lo = mid + 1
         return found if found is not None and found.estimate.fits else None
 
-    frugal = run(legal[-1], False, len(rungs) - 1)  # the least memory of all: if it does not fit, nothing does
+    frugal = run(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)  # the least memory of all
     if not frugal.estimate.fits:
         raise ConfigError(
             f"--fastest: no stack fits {gpu_mem_bytes / GIB:.2f} GiB per GPU at train.seq_length={seq_length}: the "
@@ -209,18 +232,23 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
             f"use more GPUs")
     fitting: list[Candidate] = []
     for overlap in ((False, True) if upipe else (False,)):
-        hi = len(rungs) - 1
+        hi = {name: len(rungs) - 1 for name, rungs in chains.items()}
         for U in legal:
             if overlap and U == plan.local_heads:  # one stage: nothing to pipeline
                 continue
-            c = first_fit(U, overlap, hi)
-            if c is None:
-                continue
-            fitting.append(c)
-            hi = c.rung if overlap else c.rung - 1
-            if hi < 0:
+            on_device = first_fit(U, overlap, ON_DEVICE, hi[ON_DEVICE])
+            # offloaded: worth planning only where it recomputes fewer layers than the on-device choice
+            need = chains[ON_DEVICE][on_device.rung].recomputed if on_device is not None else None
+            top = hi[OFFLOADED] if need is None else \
+                min(hi[OFFLOADED], sum(r.recomputed < need for r in chains[OFFLOADED]) - 1)
+            offloaded = first_fit(U, overlap, OFFLOADED, top)
+            for name, c in ((ON_DEVICE, on_device), (OFFLOADED, offloaded)):
+                if c is not None:
+                    fitting.append(c)
+                    hi[name] = c.rung if overlap else c.rung - 1
+            if max(hi.values()) < 0:
                 break
     baseline = _baseline(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs)
-    best = min(fitting, key=lambda c: (c.seconds, c.rung, -(c.heads_per_stage or 0)))
+    best = min(fitting, key=lambda c: (c.seconds, c.ladder == OFFLOADED, c.rung, -(c.heads_per_stage or 0)))
     return Fastest(best, baseline, tuple(seen.values()),
                    model_flops_per_step(source, world_size, vocab_size, seq_length), world_size, hw)
