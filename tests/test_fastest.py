@@ -11,6 +11,7 @@ issue names.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -47,8 +48,7 @@ def _job(rank, world_size, capacities):
         if key not in plans:
             plans[key] = estimate(source, world, vocab, strategy, seq, 2**50, margins, jobs=jobs)
         e = plans[key]
-        return type(e)(**{**e.__dict__, "gpu_mem_bytes": gpu_mem_bytes,
-                          "fits": e.peak_bytes <= gpu_mem_bytes and e.host_fits})
+        return dataclasses.replace(e, gpu_mem_bytes=gpu_mem_bytes, fits=e.peak_bytes <= gpu_mem_bytes and e.host_fits)
 
     fastest.estimate = planned  # every plan once, shared by the brute force and the searches
     source = ConfigSource(CONFIG, SHAPE)

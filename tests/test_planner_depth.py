@@ -11,18 +11,17 @@ VOCAB = 256
 BASE = [f"model.vocab_size={VOCAB}", "data.path=mock", "dist.backend=gloo", "train.micro_batch_size=1",
         "model.preset=tiny-gqa", "model.num_layers=8"]
 # bf16 (a GPU plan), the long recipes' stack and plain DDP; 4 ranks of a fake world each
+LONG_STACK = ["parallel.cp=4", "parallel.cp_strategy=upipe", "train.seq_length=2048", "memory.recompute=full",
+              "memory.offload_checkpoints=true", "memory.mlp_chunks=4", "memory.loss_chunks=4",
+              "memory.shard_model_states=true", "train.bf16=true"]
 CASES = {
     "upipe cp4, sharded states, full recompute + offload, tiled MLP, chunked loss, bf16 grad accum": [
-        "parallel.cp=4", "parallel.cp_strategy=upipe", "train.seq_length=2048", "memory.recompute=full",
-        "memory.offload_checkpoints=true", "memory.mlp_chunks=4", "memory.loss_chunks=4",
-        "memory.shard_model_states=true", "memory.attention_grad_accum=input", "train.bf16=true"],
+        *LONG_STACK, "memory.attention_grad_accum=input"],
     "ulysses cp2 x dp2, distributed optimizer, no recompute": [
         "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=1024", "train.distributed_optimizer=true",
         "train.global_batch_size=2"],
     "upipe cp4, sharded states, recompute 3 of 8 layers + offload, tiled MLP, chunked loss": [
-        "parallel.cp=4", "parallel.cp_strategy=upipe", "train.seq_length=2048", "memory.recompute=full",
-        "memory.recompute_layers=3", "memory.offload_checkpoints=true", "memory.mlp_chunks=4",
-        "memory.loss_chunks=4", "memory.shard_model_states=true", "train.bf16=true"],
+        *LONG_STACK, "memory.recompute_layers=3"],
     "ulysses cp2 x dp2, recompute 2 of 8 layers": [
         "parallel.cp=2", "parallel.cp_strategy=ulysses", "train.seq_length=1024", "memory.recompute=full",
         "memory.recompute_layers=2", "train.global_batch_size=2"],

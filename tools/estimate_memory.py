@@ -16,8 +16,8 @@ fake run (megatron_upipe/planner/step_time.py; calibrated by tools/step_time_rep
 megatron_upipe/planner/. --fastest searches U, pipelined stages and the memory switches for the fastest stack
 that fits at one length (megatron_upipe/planner/fastest.py) and prints the overrides that select it, beside the
 config as given; its JSON has overrides, fits, peak_bytes, host_bytes_per_node, step_time_s,
-tokens_per_s_per_gpu, mfu, the same under baseline, and every stack tried. --json and --plot must name a file in an existing, writable directory (and --plot a format
-matplotlib writes): checked before anything is simulated.
+tokens_per_s_per_gpu, mfu, the same under baseline, and every stack tried. --json and --plot must name a file in an
+existing, writable directory (and --plot a format matplotlib writes): checked before anything is simulated.
 """
 
 from __future__ import annotations
@@ -201,17 +201,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def _choice(a) -> str:
+    """"fastest" or "longest": which stack --fastest / --longest asks for."""
+    return "fastest" if a.fastest else "longest"
+
+
 def _check_fastest(a, hw, gpu_name: str) -> None:
     if a.max_context or a.strategies or a.plot or a.explain is not None:
-        raise ValueError(f"--{'fastest' if a.fastest else 'longest'} chooses the strategy and the length is given: "
-                         "drop --max-context, --strategies, --plot and --explain")
+        raise ValueError(f"--{_choice(a)} chooses the strategy and the length is given: drop --max-context, "
+                         "--strategies, --plot and --explain")
     if hw is None:
-        raise ValueError(f"--{'fastest' if a.fastest else 'longest'} needs the step-time model's constants, which {gpu_name} has none of: name the "
-                         f"GPU model ({', '.join(sorted(HARDWARE))}) or add --speed NAME")
+        raise ValueError(f"--{_choice(a)} needs the step-time model's constants, which {gpu_name} has none of: name "
+                         f"the GPU model ({', '.join(sorted(HARDWARE))}) or add --speed NAME")
 
 
 def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int) -> int:
-    what = "fastest" if a.fastest else "longest"
+    what = _choice(a)
     print(f"{'searching the fastest stack that fits' if a.fastest else 'planning the most frugal stack'} at {seq} "
           f"tokens (step-time model: {hw.name})", flush=True)
     try:

@@ -51,6 +51,7 @@ def llama_transformer_config(
     "uniform", one layer per chunk), or with `recompute_layers` = N the first N of each pipeline stage (method
     "block"; the others keep their activations)."""
     on_gpu = torch.cuda.is_available()
+    full = recompute_granularity == "full"
     logit_scale = arch.rope_scaling.logit_scale if arch.rope_scaling is not None else 1.0
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -85,9 +86,8 @@ def llama_transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         recompute_granularity=recompute_granularity,
-        recompute_method=None if recompute_granularity != "full" else "uniform" if recompute_layers is None else "block",
-        recompute_num_layers=None if recompute_granularity != "full" else 1 if recompute_layers is None
-        else recompute_layers,
+        recompute_method=(("uniform" if recompute_layers is None else "block") if full else None),
+        recompute_num_layers=(recompute_layers or 1) if full else None,
     )
 
 

@@ -36,6 +36,7 @@ changes the numerics. They stay as the config has them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from megatron_upipe.attention import legal_heads_per_stage
 from megatron_upipe.config import ConfigError, validate
@@ -113,17 +114,17 @@ class Candidate:
     heads_per_stage: int | None
     overlap: bool
     estimate: Estimate
-    time: StepTime | None
+    time: StepTime
 
     @property
     def seconds(self) -> float:
-        return float("inf") if self.time is None else self.time.seconds
+        return self.time.seconds
 
-    def figures(self, mfu: float | None) -> dict:
+    def figures(self, mfu: float) -> dict:
         e = self.estimate
         return {"overrides": list(self.overrides), "fits": e.fits, "peak_bytes": e.peak_bytes,
                 "host_bytes_per_node": e.host_bytes_per_node, "step_time_s": self.seconds,
-                "tokens_per_s_per_gpu": None if self.time is None else self.time.tokens_per_s_per_gpu, "mfu": mfu}
+                "tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu, "mfu": mfu}
 
 
 @dataclass(frozen=True)
@@ -144,70 +145,100 @@ class Fastest:
                 "tried": [{**c.figures(self.mfu(c)), "ladder": c.ladder, "rung": c.rung} for c in self.tried]}
 
 
+@dataclass(frozen=True)
+class _Planning:
+    """What every stack planned for one choice shares: the config, the world, the length, the device, the prices."""
+
+    source: ConfigSource
+    world_size: int
+    vocab_size: int
+    seq_length: int
+    gpu_mem_bytes: int
+    margins: object
+    hw: Hardware
+    jobs: int
+
+    @cached_property
+    def config(self):
+        return self.source.load([f"train.seq_length={self.seq_length}"])
+
+    def candidate(self, U: int | None, overlap: bool, ladder: str, r: int, rung: Rung) -> Candidate:
+        """The config with `rung` at UPipe's `U` (None: the config's own non-UPipe strategy), planned and priced."""
+        extra = (*rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}")
+        strategy = f"upipe:{U}" if U is not None else self.config.parallel.cp_strategy
+        est = self._estimate(ConfigSource(self.source.path, (*self.source.overrides, *extra)), strategy)
+        chosen = (*extra, *([f"parallel.upipe_heads_per_stage={U}"] if U is not None else []))
+        return Candidate(chosen, ladder, r, U, overlap, est, step_time(est, self.world_size, self.hw))
+
+    def baseline(self) -> Candidate:
+        """The config as given (U unset or auto: the smallest legal, as the planner plans it)."""
+        config = self.config
+        plan = validate(config, self.world_size)
+        strategy = config.parallel.cp_strategy
+        if strategy == "upipe":
+            strategy = f"upipe:{plan.heads_per_stage}" if plan.heads_per_stage else "upipe"
+        est = self._estimate(self.source, strategy)
+        return Candidate((), "", -1, plan.heads_per_stage, config.memory.upipe_overlap, est,
+                         step_time(est, self.world_size, self.hw))
+
+    def most_frugal(self, chains: dict[str, tuple[Rung, ...]], U: int | None, what: str) -> Candidate:
+        """The offloaded ladder's last rung at `U`, serial: the least memory of all; ConfigError naming `what` (the
+        CLI option) when even it does not fit."""
+        c = self.candidate(U, False, OFFLOADED, len(chains[OFFLOADED]) - 1, chains[OFFLOADED][-1])
+        if not c.estimate.fits:
+            raise ConfigError(
+                f"--{what}: no stack fits {self.gpu_mem_bytes / GIB:.2f} GiB per GPU at "
+                f"train.seq_length={self.seq_length}: the most frugal ({', '.join(c.overrides)}) plans "
+                f"{c.estimate.peak_bytes / GIB:.2f} GiB{'' if c.estimate.host_fits else ' and exceeds the host memory'}; "
+                f"shorten train.seq_length or use more GPUs")
+        return c
+
+    def result(self, best: Candidate, tried: tuple[Candidate, ...]) -> Fastest:
+        return Fastest(best, self.baseline(), tried,
+                       model_flops_per_step(self.source, self.world_size, self.vocab_size, self.seq_length),
+                       self.world_size, self.hw)
+
+    def _estimate(self, source: ConfigSource, strategy: str) -> Estimate:
+        return estimate(source, self.world_size, self.vocab_size, strategy, self.seq_length, self.gpu_mem_bytes,
+                        self.margins, jobs=self.jobs)
+
+
+def _legal_u(config, world_size: int) -> list[int | None]:
+    """UPipe's legal U, largest first ([None] for another strategy)."""
+    if config.parallel.cp_strategy != "upipe":
+        return [None]
+    plan = validate(config, world_size)
+    return sorted(legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a), reverse=True)
+
+
 def longest_stack(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
                   margins, hw: Hardware, jobs: int = 1) -> Fastest:
-    """The most frugal stack of `source` (the ladder's last rung, the smallest legal U, serial stages): what reaches
-    the longest context; ConfigError when even it does not fit at `seq_length`."""
-    config = source.load([f"train.seq_length={seq_length}"])
-    plan = validate(config, world_size)
-    frugal = ladders(source, world_size)[OFFLOADED]
-    rung = frugal[-1]
-    upipe = config.parallel.cp_strategy == "upipe"
-    U = min(legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a)) if upipe else None
-    chosen = (*rung.overrides, "memory.upipe_overlap=false", *([f"parallel.upipe_heads_per_stage={U}"] if upipe else []))
-    strategy = f"upipe:{U}" if upipe else config.parallel.cp_strategy
-    est = estimate(ConfigSource(source.path, (*source.overrides, *chosen)), world_size, vocab_size, strategy,
-                   seq_length, gpu_mem_bytes, margins, jobs=jobs)
-    if not est.fits:
-        raise ConfigError(
-            f"--longest: the most frugal stack ({', '.join(chosen)}) does not fit {gpu_mem_bytes / GIB:.2f} GiB per GPU "
-            f"at train.seq_length={seq_length}: it plans {est.peak_bytes / GIB:.2f} GiB"
-            f"{'' if est.host_fits else ' and exceeds the host memory'}; shorten train.seq_length or use more GPUs")
-    c = Candidate(chosen, OFFLOADED, len(frugal) - 1, U, False, est, step_time(est, world_size, hw))
-    return Fastest(c, _baseline(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs), (c,),
-                   model_flops_per_step(source, world_size, vocab_size, seq_length), world_size, hw)
-
-
-def _baseline(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int, margins,
-              hw: Hardware, jobs: int) -> Candidate:
-    """The config as given at `seq_length` (U unset or auto: the smallest legal, as the planner plans it)."""
-    config = source.load([f"train.seq_length={seq_length}"])
-    plan = validate(config, world_size)
-    if config.parallel.cp_strategy == "upipe":
-        strategy = f"upipe:{plan.heads_per_stage}" if plan.heads_per_stage else "upipe"
-    else:
-        strategy = config.parallel.cp_strategy
-    est = estimate(source, world_size, vocab_size, strategy, seq_length, gpu_mem_bytes, margins, jobs=jobs)
-    return Candidate((), "", -1, plan.heads_per_stage, config.memory.upipe_overlap, est,
-                     step_time(est, world_size, hw))
+    """The most frugal stack of `source` (the offloaded ladder's last rung, the smallest legal U, serial stages):
+    what reaches the longest context; ConfigError when even it does not fit at `seq_length`."""
+    p = _Planning(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs)
+    c = p.most_frugal(ladders(source, world_size), _legal_u(p.config, world_size)[-1], "longest")
+    return p.result(c, (c,))
 
 
 def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
                    margins, hw: Hardware, jobs: int = 1, log=None) -> Fastest:
     """The fastest stack of `source` that fits at `seq_length` (module docstring); ConfigError when none does."""
-    config = source.load([f"train.seq_length={seq_length}"])
-    plan = validate(config, world_size)
+    p = _Planning(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs)
     chains = ladders(source, world_size)
-    upipe = config.parallel.cp_strategy == "upipe"
-    legal = sorted(legal_heads_per_stage(plan.local_heads, plan.local_kv_heads, config.parallel.cp_a2a),
-                   reverse=True) if upipe else [None]
+    legal = _legal_u(p.config, world_size)
+    one_stage = validate(p.config, world_size).local_heads
     seen: dict[tuple, Candidate] = {}
 
     def run(U: int | None, overlap: bool, chain: str, r: int) -> Candidate:
         key = (U, overlap, chain, r)
         if key not in seen:
-            rung = chains[chain][r]
-            extra = (*rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}")
-            strategy = f"upipe:{U}" if upipe else config.parallel.cp_strategy
-            est = estimate(ConfigSource(source.path, (*source.overrides, *extra)), world_size, vocab_size, strategy,
-                           seq_length, gpu_mem_bytes, margins, jobs=jobs)
-            chosen = (*extra, *([f"parallel.upipe_heads_per_stage={U}"] if upipe else []))
-            c = seen[key] = Candidate(chosen, chain, r, U, overlap, est, step_time(est, world_size, hw))
+            c = seen[key] = p.candidate(U, overlap, chain, r, chains[chain][r])
             if log is not None:
+                est = c.estimate
                 verdict = "fits" if est.fits else \
                     "device fits, host does not" if est.peak_bytes <= gpu_mem_bytes else "does not fit"
-                log(f"  U={U} overlap={overlap} {chain} {r} ({rung.name}): {est.peak_bytes / GIB:.2f} GiB, {verdict}, "
-                    f"{c.seconds:.2f} s/step")
+                log(f"  U={U} overlap={overlap} {chain} {r} ({chains[chain][r].name}): {est.peak_bytes / GIB:.2f} GiB, "
+                    f"{verdict}, {c.seconds:.2f} s/step")
         return seen[key]
 
     def first_fit(U, overlap, chain: str, hi: int) -> Candidate | None:
@@ -223,18 +254,12 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
                 lo = mid + 1
         return found if found is not None and found.estimate.fits else None
 
-    frugal = run(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)  # the least memory of all
-    if not frugal.estimate.fits:
-        raise ConfigError(
-            f"--fastest: no stack fits {gpu_mem_bytes / GIB:.2f} GiB per GPU at train.seq_length={seq_length}: the "
-            f"most frugal ({', '.join(frugal.overrides)}) plans {frugal.estimate.peak_bytes / GIB:.2f} GiB"
-            f"{'' if frugal.estimate.host_fits else ' and exceeds the host memory'}; shorten train.seq_length or "
-            f"use more GPUs")
+    seen[(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = p.most_frugal(chains, legal[-1], "fastest")
     fitting: list[Candidate] = []
-    for overlap in ((False, True) if upipe else (False,)):
+    for overlap in ((False, True) if legal != [None] else (False,)):
         hi = {name: len(rungs) - 1 for name, rungs in chains.items()}
         for U in legal:
-            if overlap and U == plan.local_heads:  # one stage: nothing to pipeline
+            if overlap and U == one_stage:  # one stage: nothing to pipeline
                 continue
             on_device = first_fit(U, overlap, ON_DEVICE, hi[ON_DEVICE])
             # offloaded: worth planning only where it recomputes fewer layers than the on-device choice
@@ -248,7 +273,5 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
                     hi[name] = c.rung if overlap else c.rung - 1
             if max(hi.values()) < 0:
                 break
-    baseline = _baseline(source, world_size, vocab_size, seq_length, gpu_mem_bytes, margins, hw, jobs)
     best = min(fitting, key=lambda c: (c.seconds, c.ladder == OFFLOADED, c.rung, -(c.heads_per_stage or 0)))
-    return Fastest(best, baseline, tuple(seen.values()),
-                   model_flops_per_step(source, world_size, vocab_size, seq_length), world_size, hw)
+    return p.result(best, tuple(seen.values()))

@@ -163,6 +163,11 @@ def comm_seconds(work: dict[str, int], kinds: tuple[str, ...], hw: Hardware) -> 
     return t
 
 
+def host_seconds(work: dict[str, int], hw: Hardware) -> float:
+    """Time of the offloaded layer inputs' copies back to the device."""
+    return work.get("bytes:host_to_device", 0) / hw.host_bytes_per_s
+
+
 def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size: int, *, overlap_stages: int = 0,
             ring_overlap: bool = False, offload_prefetch: bool = False) -> StepTime:
     """Seconds per training step and tokens/s per GPU from the counted `work` of rank 0 (every rank does the same
@@ -179,7 +184,7 @@ def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size
     if ring_overlap:
         p2p = max(0.0, p2p - attention)
     sharding = max(0.0, comm_seconds(work, ("allgather", "reduce_scatter", "allreduce"), hw) - gemm - attention)
-    host = work.get("bytes:host_to_device", 0) / hw.host_bytes_per_s
+    host = host_seconds(work, hw)
     if offload_prefetch:
         host = max(0.0, host - gemm - attention)
     parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "sharding collectives": sharding, "p2p": p2p,
@@ -191,11 +196,11 @@ def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size
 def calibrate(samples: list[tuple[dict[str, int], float]], hw: Hardware) -> Hardware:
     """`hw` with gemm_efficiency and attention_efficiency fitted to measured step times: (work, seconds) pairs, least
     squares on the relative error of the compute time (measured seconds minus the modelled communication and
-    offload copies back, which use the stated link constants; the samples' stacks do not prefetch): minimise sum_i ((G_i x + A_i y) / c_i - 1)^2 over x = 1/(peak·e_gemm),
-    y = 1/(peak·e_attention)."""
+    offload copies back, which use the stated link constants; the samples' stacks do not prefetch): minimise
+    sum_i ((G_i x + A_i y) / c_i - 1)^2 over x = 1/(peak·e_gemm), y = 1/(peak·e_attention)."""
     rows = []
     for work, seconds in samples:
-        comm = comm_seconds(work, ("alltoall", "send"), hw) + work.get("bytes:host_to_device", 0) / hw.host_bytes_per_s
+        comm = comm_seconds(work, ("alltoall", "send"), hw) + host_seconds(work, hw)
         c = seconds - comm
         if c <= 0:
             raise ValueError(f"a measured step of {seconds:.3f} s is shorter than its modelled communication "

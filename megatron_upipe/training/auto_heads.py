@@ -65,23 +65,34 @@ def resolve_auto_heads(config: Config, world_size: int, timeout_s: float = 1800.
         return config, (f"parallel.upipe_heads_per_stage unset -> U={U}, the smallest legal (the least attention "
                         f"memory): no GPU here to plan against (memory.plan_gpu=local); set memory.plan_gpu to let "
                         f"the memory planner choose, or set the U")
-    gpu = plan_gpu_spec(config)
+    choice, resolved = run_planner(
+        config, world_size, ["--gpu", plan_gpu_spec(config), "parallel.upipe_heads_per_stage=auto"],  # unset U too
+        setting="parallel.upipe_heads_per_stage=auto", nvls=nvls, timeout_s=timeout_s,
+        overrides=lambda got: [f"parallel.upipe_heads_per_stage={got['heads_choice']['heads_per_stage']}"])
+    return resolved, f"parallel.upipe_heads_per_stage=auto -> {choice['heads_choice']['reason']}"
+
+
+def run_planner(config: Config, world_size: int, args: list[str], *, setting: str, nvls: bool | None,
+                timeout_s: float, overrides, refusal_prefix: str = "") -> tuple[dict, Config]:
+    """tools/estimate_memory.py on `config` (written out as YAML) at `world_size` with `args`, in a subprocess with
+    no GPU visible and one simulation at a time, the NCCL margin of `nvls` (None: this process's environment):
+    (its JSON, the config with `overrides(json)` on top). The planner's refusal is a ConfigError (its one line
+    after `refusal_prefix`); any other failure a RuntimeError naming `setting`."""
     topology = topology_for(world_size, nvls=nvls_on(os.environ) if nvls is None else nvls)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, out = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
         cfg.write_text(to_yaml(config))
-        proc = subprocess.run(  # unset U: the planner chooses as for auto
+        proc = subprocess.run(
             [sys.executable, str(REPO / "tools" / "estimate_memory.py"), "--config", str(cfg), "--world-size",
-             str(world_size), "--gpu", gpu, "--nccl-topology", topology, "--jobs", "1", "--json", str(out),
-             "parallel.upipe_heads_per_stage=auto"],
+             str(world_size), "--nccl-topology", topology, "--jobs", "1", "--json", str(out), *args],
             capture_output=True, text=True, timeout=timeout_s,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
         )
         if proc.returncode == 2:  # the planner refused: its one-line reason
-            raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("estimate_memory.py: error: "))
+            raise ConfigError(refusal_prefix + proc.stderr.strip().splitlines()[-1].removeprefix(
+                "estimate_memory.py: error: "))
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"parallel.upipe_heads_per_stage=auto: the memory planner failed (exit "
-                               f"{proc.returncode}):\n{proc.stderr[-3000:]}")
-        choice = json.loads(out.read_text())["heads_choice"]
-        resolved = load_config(str(cfg), [f"parallel.upipe_heads_per_stage={choice['heads_per_stage']}"])
-    return resolved, f"parallel.upipe_heads_per_stage=auto -> {choice['reason']}"
+            raise RuntimeError(f"{setting}: the memory planner failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
+        got = json.loads(out.read_text())
+        return got, load_config(str(cfg), overrides(got))
