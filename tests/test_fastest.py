@@ -43,7 +43,7 @@ def _job(rank, world_size, capacities):
     hw, none = HARDWARE["h100-80gb"], Margins(0, 0, 0.0)
     plans = {}  # (overrides, strategy) -> Estimate at an unlimited device
 
-    def planned(source, world, vocab, strategy, seq, gpu_mem_bytes, margins, jobs=1):
+    def planned(source, world, vocab, strategy, seq, gpu_mem_bytes, margins, jobs=1, memo=None):
         key = (source.overrides, strategy)
         if key not in plans:
             plans[key] = estimate(source, world, vocab, strategy, seq, 2**50, margins, jobs=jobs)

@@ -31,6 +31,7 @@ CASES = {
 }
 
 
+PARTIAL = "upipe cp4, sharded states, recompute 3 of 8 layers + offload, tiled MLP, chunked loss"
 SIDE_BY_SIDE = "upipe cp4, sharded states, full recompute + offload, tiled MLP, chunked loss, bf16 grad accum"
 
 
@@ -50,12 +51,16 @@ def _both(rank, world_size):
     for case, overrides in CASES.items():
         config = load_config(None, BASE + overrides)
         out[case] = (simulate_step(config, 4, VOCAB), simulate_deep(config, 4, VOCAB))
+    memo = {}  # another recompute depth of the same stack first: its three shallow simulations are the same
+    simulate_deep(load_config(None, BASE + [*LONG_STACK, "memory.recompute_layers=5"]), 4, VOCAB, memo=memo)
+    simulated = len(memo)
+    out["memo"] = (simulated, simulate_deep(load_config(None, BASE + CASES[PARTIAL]), 4, VOCAB, memo=memo), len(memo))
     return out
 
 
 @pytest.fixture(scope="module")
 def simulated():
-    return run_on_ranks(_both, 1)[0]
+    return run_on_ranks(_both, 1, start_method="spawn")[0]  # the rank forks simulation workers (dist_helper.py)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -74,6 +79,14 @@ def test_simulations_side_by_side_equal_one_after_the_other(simulated):
     assert simulated["forked"] and not simulated["forked after a backward"]
     side_by_side, serial = simulated["side by side"]
     assert side_by_side == serial and serial.peak_named and serial.peak_bytes == simulated[SIDE_BY_SIDE][1].peak_bytes
+
+
+def test_a_search_reuses_the_shallow_simulations_of_another_recompute_depth(simulated):
+    """depth.simulations' memo: recompute 3 of 8 after 5 of 8 simulates nothing more, and equals its own
+    simulations made afresh."""
+    simulated_first, deep, simulated_after = simulated["memo"]
+    assert simulated_first == simulated_after == 3
+    assert deep == simulated[PARTIAL][1]
 
 
 def test_a_shallow_config_is_simulated_whole():

@@ -77,16 +77,30 @@ def extrapolate_two_kinds(base: StepMemory, more_recomputed: StepMemory, more_ke
     return dataclasses.replace(more_kept, **ints, **dicts)
 
 
+def simulations(calls: list[tuple], jobs: int, memo: dict | None) -> list[StepMemory]:
+    """simulate_step(*call) for each call, side by side in forked workers when jobs > 1 (workers.py). `memo` (kept
+    by the caller across estimates, keyed by the call's repr) answers a call simulated before without simulating it
+    again: the stacks of one search share shallow simulations (every partial-recompute rung of one ladder, U and
+    overlap simulates the same three shallow models)."""
+    memo = {} if memo is None else memo
+    keys = [repr(call) for call in calls]
+    todo = {k: call for k, call in zip(keys, calls) if k not in memo}
+    if jobs > 1 and len(todo) > 1:
+        preload()
+    memo.update(zip(todo, run_all(simulate_step, list(todo.values()), jobs)))
+    return [memo[k] for k in keys]
+
+
 def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes: int = 0,
-                  base_depth: int = 2, jobs: int = 1) -> StepMemory:
+                  base_depth: int = 2, jobs: int = 1, memo: dict | None = None) -> StepMemory:
     """simulate_step of `config`, from simulations at base_depth and base_depth + 1 layers per stage when the
     model is deeper than base_depth + 2 (else the full simulation); with jobs > 1 the two run side by side in
-    forked workers (workers.py). With memory.recompute_layers below the stage's depth: three simulations of two
-    kinds of layer (module docstring)."""
+    forked workers (workers.py); `memo`: see `simulations`. With memory.recompute_layers below the stage's depth:
+    three simulations of two kinds of layer (module docstring)."""
     depth = layers_per_stage(config, world_size)
     m = config.memory
     if m.recompute_layers is not None and m.recompute_layers < depth:
-        return _simulate_two_kinds(config, world_size, vocab_size, named_bytes, base_depth, jobs, depth)
+        return _simulate_two_kinds(config, world_size, vocab_size, named_bytes, base_depth, jobs, depth, memo)
     config = with_depth(config, depth)  # recompute_layers >= depth: every layer, as null
     if m.shard_model_states:  # Megatron-FSDP gathers the computing layer and prefetches one (fsdp_communication_unit
         base_depth = max(base_depth, 3)  # =layer): periodic from 3 layers
@@ -94,24 +108,20 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     # with megatron-core's communication unit (1e9 elements) it queues / prefetches a fixed number of elements:
     # several layers of a large model but every layer of a shallow one, never periodic from a shallow depth
     if depth <= b + 1 or (m.shard_model_states and m.fsdp_communication_unit == "megatron"):
-        return simulate_step(config, world_size, vocab_size, named_bytes)
-    if jobs > 1:
-        preload()
-    shallow, deeper = run_all(simulate_step, [(with_depth(config, a), world_size, vocab_size, 0),
-                                              (with_depth(config, b), world_size, vocab_size, named_bytes)], jobs)
+        return simulations([(config, world_size, vocab_size, named_bytes)], jobs, memo)[0]
+    shallow, deeper = simulations([(with_depth(config, a), world_size, vocab_size, 0),
+                                   (with_depth(config, b), world_size, vocab_size, named_bytes)], jobs, memo)
     return extrapolate(shallow, deeper, a, b, depth)
 
 
 def _simulate_two_kinds(config: Config, world_size: int, vocab_size: int, named_bytes: int, base_depth: int,
-                        jobs: int, depth: int) -> StepMemory:
+                        jobs: int, depth: int, memo: dict | None) -> StepMemory:
     m = config.memory
     a = max(base_depth, 3) if m.shard_model_states else base_depth
     recomputed, kept = m.recompute_layers, depth - m.recompute_layers
     if recomputed < a or kept < 2 or depth <= a + 4:  # too shallow to extrapolate: simulate it whole
-        return simulate_step(config, world_size, vocab_size, named_bytes)
-    if jobs > 1:
-        preload()
+        return simulations([(config, world_size, vocab_size, named_bytes)], jobs, memo)[0]
     runs = [(with_depth(config, r + k, r), world_size, vocab_size, named_bytes if (r, k) == (a, 3) else 0)
             for r, k in ((a, 2), (a + 1, 2), (a, 3))]
-    base, more_recomputed, more_kept = run_all(simulate_step, runs, jobs)
+    base, more_recomputed, more_kept = simulations(runs, jobs, memo)
     return extrapolate_two_kinds(base, more_recomputed, more_kept, a, recomputed, kept)

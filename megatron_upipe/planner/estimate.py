@@ -116,11 +116,12 @@ def strategy_config(source: ConfigSource, strategy: str, seq_length: int) -> Con
 
 
 def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: str, seq_length: int,
-             gpu_mem_bytes: int, margins: Margins = Margins(), named_bytes: int = 0, jobs: int = 1) -> Estimate:
+             gpu_mem_bytes: int, margins: Margins = Margins(), named_bytes: int = 0, jobs: int = 1,
+             memo: dict | None = None) -> Estimate:
     """The verdict for `strategy` at `seq_length` (see the module docstring); jobs > 1 runs the depth
-    extrapolation's two simulations side by side."""
+    extrapolation's simulations side by side; `memo` keeps simulations for the next estimate (depth.simulations)."""
     cfg = strategy_config(source, strategy, seq_length)
-    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes, jobs=jobs)  # shallow, extrapolated
+    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes, jobs=jobs, memo=memo)  # shallow, extrapolated
     workspace = flash_workspace_bytes(cfg, world_size)
     breakdown = dict(step.breakdown)
     at_attention = step.attention_peak_bytes + workspace

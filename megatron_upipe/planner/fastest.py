@@ -25,7 +25,9 @@ offloaded ladder's last rung at the smallest U, serial) is planned first: if it 
 U: a smaller U plans less attention memory; with serial stages it is never faster at the same rung
 (tests/test_step_time.py), so after U fits at rung r a smaller U is tried only below r; with pipelined stages at r
 or below. Every candidate tried is a full planner estimate (device and host, with the margins given), priced by the
-step-time model; the fastest that fits wins (ties: on the device, the lower rung, then the larger U).
+step-time model; the fastest that fits wins (ties: on the device, the lower rung, then the larger U). Simulations
+are shared across the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one
+ladder, U and overlap extrapolate from the same three shallow models, so only the first of them simulates.
 
 Not searched (the step-time model cannot price them yet, so a choice among them would be a guess): tensor and
 pipeline parallel sizes and the ring split (TP's sequence-parallel collectives sit on the critical path, which the
@@ -35,7 +37,7 @@ changes the numerics. They stay as the config has them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from megatron_upipe.attention import legal_heads_per_stage
@@ -157,6 +159,7 @@ class _Planning:
     margins: object
     hw: Hardware
     jobs: int
+    memo: dict = field(default_factory=dict)  # the simulations made so far (planner/depth.py simulations)
 
     @cached_property
     def config(self):
@@ -200,7 +203,7 @@ class _Planning:
 
     def _estimate(self, source: ConfigSource, strategy: str) -> Estimate:
         return estimate(source, self.world_size, self.vocab_size, strategy, self.seq_length, self.gpu_mem_bytes,
-                        self.margins, jobs=self.jobs)
+                        self.margins, jobs=self.jobs, memo=self.memo)
 
 
 def _legal_u(config, world_size: int) -> list[int | None]:
