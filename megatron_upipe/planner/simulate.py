@@ -238,14 +238,10 @@ class _PlannerTracker(StorageTracker):
             self.peak_named = list(self._named.values())
 
 
-def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool,
-                 named_bytes: int = 0, fake: PlannerFakeMode | None = None) -> StepMemory:
-    """Build this rank's stage as the training job does and track one step (on real or fake tensors alike; under
-    `fake`, the running PlannerFakeMode, the tracker is fed by it)."""
-    from megatron_upipe.compat.fsdp import steady_state
-    from megatron_upipe.memory_switches.sharding import is_fully_sharded
+def build_rank(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool):
+    """This rank's stage, wrapped model and optimizer, built as the training job builds them (on real or fake
+    tensors alike): (stage, ddp, optimizer)."""
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
-    from megatron_upipe.step import forward_backward
     from megatron_upipe.training.optim import build_optimizer, wrap_model
 
     recompute = None if config.memory.recompute == "none" else config.memory.recompute
@@ -258,6 +254,37 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     with _fake_world() if planning else nullcontext():
         ddp = wrap_model(stage.model, tconfig, config, float16_module=not planning)
         optimizer, _ = build_optimizer(ddp, tconfig, config, planning=planning)
+    return stage, ddp, optimizer
+
+
+def step_batch(config: Config, plan) -> dict:
+    """One micro-batch of this rank's shape: tokens and labels [b, s/cp] (zeros), positions, loss mask; with packed
+    documents one document spanning the sequence."""
+    b, s = plan.micro_batch_size, plan.seq_per_cp_rank
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(s).expand(b, s),
+             "loss_mask": torch.ones(b, s)}
+    if config.data.document_mask:  # packed documents: one spanning the sequence (the batch's positions are its)
+        batch["cu_seqlens"] = torch.tensor([0, plan.seq_length], dtype=torch.int32)  # [2], on the host
+    return batch
+
+
+def forward_backward_step(ddp, plan, batch: dict) -> None:
+    """The step's forward/backward schedule over plan.num_microbatches copies of `batch` (no optimizer step)."""
+    from megatron_upipe.step import forward_backward
+
+    forward_backward(ddp, iter([batch] * plan.num_microbatches), num_microbatches=plan.num_microbatches,
+                     seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size, forward_only=False)
+
+
+def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: bool, planning: bool,
+                 named_bytes: int = 0, fake: PlannerFakeMode | None = None) -> StepMemory:
+    """Build this rank's stage as the training job does and track one step (on real or fake tensors alike; under
+    `fake`, the running PlannerFakeMode, the tracker is fed by it)."""
+    from megatron_upipe.compat.fsdp import steady_state
+    from megatron_upipe.memory_switches.sharding import is_fully_sharded
+
+    stage, ddp, optimizer = build_rank(config, plan, layout, pg, vocab_size, bf16=bf16, planning=planning)
     if is_fully_sharded(ddp):
         steady_state(ddp)  # as after the first backward: the run's first micro-batch alone prefetches more
     mem = _PlannerTracker(named_bytes)
@@ -265,16 +292,10 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
         moments = _materialise_adam(mem, optimizer)  # alive through every step after the first
         state_bytes += sum(m.untyped_storage().nbytes() for m in moments)
         handles = _retag_layer_inputs(stage.model, mem)
-        b, s = plan.micro_batch_size, plan.seq_per_cp_rank
-        tokens = torch.zeros(b, s, dtype=torch.long)
-        batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(s).expand(b, s),
-                 "loss_mask": torch.ones(b, s)}
-        if config.data.document_mask:  # packed documents: one spanning the sequence (the batch's positions are its)
-            batch["cu_seqlens"] = torch.tensor([0, plan.seq_length], dtype=torch.int32)  # [2], on the host
+        batch = step_batch(config, plan)
         counter = WorkCounter()
         with _fake_world() if planning else nullcontext(), fake.counting(counter) if fake else nullcontext():
-            forward_backward(ddp, iter([batch] * plan.num_microbatches), num_microbatches=plan.num_microbatches,
-                             seq_length=plan.seq_length, micro_batch_size=plan.micro_batch_size, forward_only=False)
+            forward_backward_step(ddp, plan, batch)
         for h in handles:
             h.remove()
         del moments
