@@ -25,7 +25,7 @@ setup(
         "matplotlib",  # the memory planner's plot
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.45"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "transformers>=4.45"],  # xdist: two workers on 2 cores
         "wandb": ["wandb"],
         "gpu": ["flash-attn"],
         "te": ["transformer-engine[pytorch]"],

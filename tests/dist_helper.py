@@ -1,10 +1,13 @@
-"""Run a function on N gloo ranks in spawned processes and surface any rank's failure.
+"""Run a function on N gloo ranks in their own processes and surface any rank's failure.
 
-`run_on_ranks(fn, world_size, *args)` starts `world_size` processes, initialises a gloo process group on a
-free localhost port in each, calls `fn(rank, world_size, *args)` and returns the list of per-rank return values
-(they must be picklable). An exception on any rank is re-raised in the parent with that rank's traceback; a rank
-that hangs past `timeout_s` fails the test instead of hanging CI, and a rank that dies without a word (a signal, a
-C-level abort) fails it as soon as it is seen dead, with its exit code, instead of after `timeout_s`.
+`run_on_ranks(fn, world_size, *args)` starts `world_size` processes (forked from a fork server that has imported
+torch and megatron-core once; the caller's environment and working directory are set in each), initialises a gloo
+process group in each (the rendezvous store is the caller's), calls `fn(rank, world_size, *args)` and returns the
+list of per-rank return values (they must be picklable). An exception on any rank is re-raised in the parent with
+that rank's traceback; a rank that hangs past `timeout_s` fails the test instead of hanging CI, and a rank that dies
+without a word (a signal, a C-level abort) fails it as soon as it is seen dead, with its exit code, instead of after
+`timeout_s`. A forked rank's output goes where the fork server's goes: a test that reads it (capfd) asks for
+start_method="spawn".
 
 A rank's result is flushed into the pipe before it tears its process group down, so what the rank computed reaches
 the parent whatever its teardown does.
@@ -27,6 +30,7 @@ import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 
 def free_port() -> int:
@@ -35,17 +39,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, queue):
+def _worker(fn, rank, world_size, port, args, queue, here):
     import torch
     import torch.distributed as dist
 
+    env, cwd = here
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)  # the parent's (run_on_ranks)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
@@ -78,11 +87,32 @@ def _load(payload: bytes) -> Any:
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
-    ctx = mp.get_context("spawn")
+# What the fork server imports once, so that a rank forked from it starts with them (about 5 s of CPU per rank
+# otherwise). Not megatron.core's distributed / optimizer / pipeline_parallel packages: with them imported there,
+# a rank that forks again (the planner's side-by-side simulations) gets children whose autograd threads abort on
+# torch's OpenMP pool ("Invalid thread pool!").
+PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt"]
+
+
+def _context(start_method: str):
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
+                 start_method: str = "forkserver") -> list[Any]:
+    """See the module docstring. start_method "spawn": every rank a fresh interpreter (for a rank that forks)."""
+    ctx = _context(start_method)
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    # The rendezvous store is this process's, on a port the OS picks as it binds: a free_port() that rank 0 binds
+    # later can be taken in between (by a test running beside this one), and the ranks failed with EADDRINUSE.
+    server = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = server.port
+    here = (dict(os.environ), os.getcwd())  # a forked rank has the fork server's; a test may have changed them
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, here))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

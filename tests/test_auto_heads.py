@@ -82,7 +82,7 @@ def _train(rank, world_size):
 
 
 def test_training_runs_with_the_chosen_u(capfd):
-    for code, err in run_on_ranks(_train, 2):
+    for code, err in run_on_ranks(_train, 2, start_method="spawn"):  # spawned ranks write to capfd's file
         assert code == 0, err[-3000:]
     out = capfd.readouterr().out
     # tiny on 2 ranks at 64 tokens fits an H100 at any U: the largest legal U (8 query heads over cp 2), 1 stage
