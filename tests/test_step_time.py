@@ -32,9 +32,16 @@ def _simulate(extra):
             for name, over in STRATEGIES.items()}
 
 
+TP_CASE = ["model.preset=tiny-gqa", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=1",
+           f"train.seq_length={N}", "train.bf16=false", f"model.vocab_size={VOCAB}", "data.path=mock",
+           "dist.backend=gloo", "train.micro_batch_size=1"]
+
+
 def _simulate_cpu_and_gpu(rank, world_size):
+    from megatron_upipe.planner.simulate import simulate_step
+
     torch.distributed.destroy_process_group()  # the planner makes its own fake one
-    return _simulate([]), _simulate(["dist.backend=nccl"])
+    return _simulate([]), _simulate(["dist.backend=nccl"]), simulate_step(load_config(None, TP_CASE), 2, VOCAB).work
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +99,31 @@ def test_counted_flops_and_bytes_equal_the_model_written_here_and_a_real_run(wor
 def test_gpu_kernel_stand_ins_count_the_same_attention_work(works):
     """Planning a GPU run (dist.backend=nccl: the SDPA flash stand-in, which computes nothing) counts the same FLOPs
     as the CPU kernel that really runs."""
-    work, gpu = works
+    work, gpu, _ = works
     for name in STRATEGIES:
         assert gpu[name]["flops:attention"] == work[name]["flops:attention"], name
         assert gpu[name]["calls:attention"] == work[name]["calls:attention"], name
+
+
+def test_tensor_parallel_collectives_are_counted_apart_and_priced_on_the_critical_path(works):
+    """tp 2 with sequence parallelism, one layer: forward all-gathers before QKV and fc1, reduce-scatters after W_O
+    and fc2; backward, per column-parallel linear the input gathered again for the weight gradient and dx
+    reduce-scattered, per row-parallel linear dy gathered: 10 collectives of X bytes a layer (X: an all-gather of
+    [s/2, b, D] sends (2 - 1) x that; a reduce-scatter of [s, b, D] sends 1/2 of it); the LM head 3 (forward
+    gather, backward gather and reduce-scatter), the embedding 2 (its reduce-scatter to the sequence-parallel
+    region and that one's backward gather). The loss's all-reduces are tp_allreduce."""
+    from megatron_upipe.planner.step_time import HARDWARE, comm_seconds, predict
+
+    tp = works[2]
+    X = N // 2 * D * 4  # fp32
+    assert tp["bytes:tp_allgather:nvlink"] + tp["bytes:tp_reduce_scatter:nvlink"] == (10 * L + 5) * X
+    assert tp["bytes:tp_allreduce:nvlink"] > 0
+    assert not any(k.startswith(("bytes:allgather", "bytes:reduce_scatter")) for k in tp)  # dp 1: no others
+    hw = HARDWARE["h100-80gb"]
+    t = predict(tp, hw, N, 2)
+    on_path = comm_seconds(tp, ("tp_allgather", "tp_reduce_scatter", "tp_allreduce"), hw)
+    assert t.parts["tensor-parallel collectives"] == pytest.approx(on_path) and on_path > 0
+    assert t.seconds == pytest.approx(sum(t.parts.values()))
 
 
 def test_predict_prices_the_work_as_documented():

@@ -293,7 +293,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
         state_bytes += sum(m.untyped_storage().nbytes() for m in moments)
         handles = _retag_layer_inputs(stage.model, mem)
         batch = step_batch(config, plan)
-        counter = WorkCounter()
+        counter = WorkCounter(tp_group=pg.tp.group_name if layout.tp > 1 else None)
         with _fake_world() if planning else nullcontext(), fake.counting(counter) if fake else nullcontext():
             forward_backward_step(ddp, plan, batch)
         for h in handles:

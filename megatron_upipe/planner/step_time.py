@@ -7,14 +7,19 @@ the planner's fake mode with every op the step runs):
   backward, the recomputed QK^T included), P = the (query, key) pairs the mask keeps (N(N+1)/2 for causal);
 - bytes each collective sends from this rank, by kind and by link (a group inside one node of `gpus_per_node`
   ranks: NVLink; spanning nodes: InfiniBand): all-to-all (g-1)/g of its input, all-gather (g-1)·input,
-  reduce-scatter (g-1)/g of its input, all-reduce 2(g-1)/g, send its tensors; and the number of calls.
+  reduce-scatter (g-1)/g of its input, all-reduce 2(g-1)/g, send its tensors; and the number of calls. Those of
+  the tensor-parallel group (sequence parallelism's all-gathers and reduce-scatters around every block, the
+  all-reduces without it, the vocabulary-parallel loss's) are counted apart, as kinds tp_allgather,
+  tp_reduce_scatter and tp_allreduce.
 
 Priced (`predict`): compute = GEMM FLOPs / (peak · gemm_efficiency) + attention FLOPs / (peak ·
 attention_efficiency); the attention all-to-alls and the P2P sends (the hybrid ring's passes, pipeline sends) are on
 the critical path: bytes / link bandwidth + calls · latency, except that with `memory.upipe_overlap` all but one
 stage's share of the all-to-all time hides under the attention kernels, and with `memory.ring_overlap` the P2P time
-does and costs only what exceeds them (pipeline sends, if any, are counted with the ring's); Megatron-FSDP's / DDP's
-all-gathers, reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. The offloaded layer
+does and costs only what exceeds them (pipeline sends, if any, are counted with the ring's); the tensor-parallel collectives
+are on the critical path too (each sits between two GEMMs that need its result; megatron-core overlaps them only
+with TransformerEngine's userbuffers, which this stack does not set up); Megatron-FSDP's / DDP's all-gathers,
+reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. The offloaded layer
 inputs' copies back to the device (`bytes:host_to_device`, from the offloader's ledger) are on the critical path:
 bytes / host link bandwidth, each before its layer's recompute; with `memory.offload_prefetch` they run during the
 next layer's backward and cost only what exceeds the compute. Not modelled: memory-bound element-wise work (norms,
@@ -45,6 +50,7 @@ COLLECTIVES = {  # op -> (kind, index of the input tensor(s), index of the proce
     "allgather_into_tensor_coalesced_": ("allgather", 1, 2), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 2),
     "send": ("send", 0, 1),
 }
+TP_KINDS = ("tp_allgather", "tp_reduce_scatter", "tp_allreduce")  # WorkCounter's kinds of the tensor-parallel group
 SEND_FRACTION = {"alltoall": lambda g: (g - 1) / g, "allgather": lambda g: g - 1,
                  "reduce_scatter": lambda g: (g - 1) / g, "allreduce": lambda g: 2 * (g - 1) / g, "send": lambda g: 1}
 
@@ -65,8 +71,9 @@ class WorkCounter:
     """Counts the work of the ops it is shown (`count`); `totals` is a flat dict of integers (extrapolated by depth
     like the memory terms): flops:gemm, flops:attention, calls:attention, bytes:<kind>:<link>, calls:<kind>:<link>."""
 
-    def __init__(self, gpus_per_node: int = 8) -> None:
+    def __init__(self, gpus_per_node: int = 8, tp_group: str | None = None) -> None:
         self.gpus_per_node = gpus_per_node
+        self.tp_group = tp_group  # the tensor-parallel group's name: its collectives are counted as tp_<kind>
         self.totals: dict[str, int] = {}
         self._links: dict[str, str] = {}  # process group name -> link
 
@@ -95,9 +102,11 @@ class WorkCounter:
             if g <= 1:
                 return
             link = self._link(group)
+            if group.group_name == self.tp_group:
+                kind = f"tp_{kind}"
             tensors = args[ti] if isinstance(args[ti], (list, tuple)) else [args[ti]]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self._add(f"bytes:{kind}:{link}", nbytes * SEND_FRACTION[kind](g))
+            self._add(f"bytes:{kind}:{link}", nbytes * SEND_FRACTION[kind.removeprefix("tp_")](g))
             self._add(f"calls:{kind}:{link}", 1)
 
     def _attention(self, q, k, causal: bool, backward: bool) -> None:
@@ -148,7 +157,8 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
 class StepTime:
     seconds: float
     tokens_per_s_per_gpu: float
-    parts: dict[str, float]  # seconds: gemm, attention, all-to-all (exposed), sharding collectives (exposed), p2p
+    parts: dict[str, float]  # seconds: gemm, attention, all-to-all (exposed), tensor-parallel collectives, sharding
+    # collectives (exposed), p2p, offload copies back
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -180,6 +190,7 @@ def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size
     a2a = comm_seconds(work, ("alltoall",), hw)
     if overlap_stages > 1:  # one stage's share stays exposed; the rest hides under the attention kernels
         a2a = a2a / overlap_stages + max(0.0, a2a * (overlap_stages - 1) / overlap_stages - attention)
+    tp = comm_seconds(work, TP_KINDS, hw)
     p2p = comm_seconds(work, ("send",), hw)
     if ring_overlap:
         p2p = max(0.0, p2p - attention)
@@ -187,8 +198,8 @@ def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size
     host = host_seconds(work, hw)
     if offload_prefetch:
         host = max(0.0, host - gemm - attention)
-    parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "sharding collectives": sharding, "p2p": p2p,
-             "offload copies back": host}
+    parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "tensor-parallel collectives": tp,
+             "sharding collectives": sharding, "p2p": p2p, "offload copies back": host}
     seconds = sum(parts.values())
     return StepTime(seconds, tokens_per_step / seconds / world_size, parts)
 
@@ -200,7 +211,7 @@ def calibrate(samples: list[tuple[dict[str, int], float]], hw: Hardware) -> Hard
     sum_i ((G_i x + A_i y) / c_i - 1)^2 over x = 1/(peak·e_gemm), y = 1/(peak·e_attention)."""
     rows = []
     for work, seconds in samples:
-        comm = comm_seconds(work, ("alltoall", "send"), hw) + host_seconds(work, hw)
+        comm = comm_seconds(work, ("alltoall", "send", *TP_KINDS), hw) + host_seconds(work, hw)
         c = seconds - comm
         if c <= 0:
             raise ValueError(f"a measured step of {seconds:.3f} s is shorter than its modelled communication "
