@@ -83,12 +83,17 @@ def searched():
 
 
 def test_ladder_premise_memory_falls_and_time_rises_rung_by_rung(searched):
+    """On each ladder memory falls and time rises rung by rung; pipelined stages never plan less than serial ones at
+    the same U and rung (the search starts them at the serial floor)."""
     brute, _, sizes = searched
     for U, overlap, chain in {(U, o, c) for U, o, c, _ in brute}:
         peaks = [brute[(U, overlap, chain, r)][0] for r in range(sizes[chain])]
         times = [brute[(U, overlap, chain, r)][2] for r in range(sizes[chain])]
         assert peaks == sorted(peaks, reverse=True), (U, overlap, peaks)
         assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:])), (U, overlap, times)  # float sums
+    for (U, overlap, chain, r), (peak, _, _) in brute.items():  # pipelined stages start at the serial floor
+        if overlap:
+            assert peak >= brute[(U, False, chain, r)][0], (U, chain, r)
 
 
 @pytest.mark.parametrize("gib", CAPACITIES[:-1])

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -219,6 +220,7 @@ def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int)
     what = _choice(a)
     print(f"{'searching the fastest stack that fits' if a.fastest else 'planning the most frugal stack'} at {seq} "
           f"tokens (step-time model: {hw.name})", flush=True)
+    start = time.monotonic()
     try:
         if a.fastest:
             found = search_fastest(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs,
@@ -227,6 +229,8 @@ def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int)
             found = longest_stack(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs)
     except ConfigError as e:
         return fail(PROG, e)
+    seconds = time.monotonic() - start
+    print(f"planned {len(found.tried)} stacks in {seconds:.0f} s", flush=True)
     for label, c in ((what, found.best), ("config as given", found.baseline)):
         t = c.time
         print(f"{label}: {' '.join(c.overrides) or '(no overrides)'}\n  {'fits' if c.estimate.fits else 'does NOT fit'}"
@@ -236,7 +240,8 @@ def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "config_overrides": list(a.overrides), "seq_length": seq, "choice": what,
-                       "world_size": world, "gpu_bytes": gpu, "speed": hw.name, **found.to_dict()}, f, indent=1)
+                       "world_size": world, "gpu_bytes": gpu, "speed": hw.name, "search_seconds": seconds, **found.to_dict()}, f,
+                      indent=1)
     return 0
 
 

@@ -24,15 +24,16 @@ but host memory; it is searched only below the N the on-device ladder needed. Th
 offloaded ladder's last rung at the smallest U, serial) is planned first: if it does not fit, nothing does. Across
 U: a smaller U plans less attention memory; with serial stages it is never faster at the same rung
 (tests/test_step_time.py), so after U fits at rung r a smaller U is tried only below r; with pipelined stages at r
-or below. Every candidate tried is a full planner estimate (device and host, with the margins given), priced by the
+or below. Pipelined stages hold one more stage's buffers than serial ones, so at a U and ladder they are tried only
+from the lowest rung whose device peak fits serially. Every candidate tried is a full planner estimate (device and host, with the margins given), priced by the
 step-time model; the fastest that fits wins (ties: on the device, the lower rung, then the larger U). Simulations
 are shared across the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one
 ladder, U and overlap extrapolate from the same three shallow models, so only the first of them simulates.
 
-Not searched (the step-time model cannot price them yet, so a choice among them would be a guess): tensor and
-pipeline parallel sizes and the ring split (TP's sequence-parallel collectives sit on the critical path, which the
-model treats as overlapped), other partial depths than the quarters, and `memory.attention_grad_accum`, which
-changes the numerics. They stay as the config has them.
+Not searched: tensor and pipeline parallel sizes and the ring split (the step-time model prices TP's collectives on
+the critical path, but each size multiplies the search's simulations; pipeline bubbles and the ring's split are not
+priced), other partial depths than the quarters, and `memory.attention_grad_accum`, which changes the numerics.
+They stay as the config has them.
 """
 
 from __future__ import annotations
@@ -244,10 +245,21 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
                     f"{verdict}, {c.seconds:.2f} s/step")
         return seen[key]
 
+    floor: dict[tuple, int] = {}  # (U, ladder) -> the lowest rung whose device peak can fit with serial stages
+
     def first_fit(U, overlap, chain: str, hi: int) -> Candidate | None:
         """The lowest rung of `chain` in [0, hi] whose device peak fits (bisection: the peak falls rung by rung), if
-        it also fits the host."""
-        lo, found = 0, None
+        it also fits the host. Pipelined stages hold one more stage's buffers than serial ones at the same U and rung,
+        so they start at the serial floor. Below the ladder's top (hi capped by a larger U's choice) rung hi is
+        planned first: the rung a larger U needed is usually just too much for a smaller one, and if hi does not fit,
+        no rung below it does."""
+        lo, top, found = floor.get((U, chain), 0) if overlap else 0, hi, None
+        if lo <= hi < len(chains[chain]) - 1:
+            c = run(U, overlap, chain, hi)
+            if c.estimate.peak_bytes > gpu_mem_bytes:
+                lo = hi + 1
+            else:
+                found, hi = c, hi - 1
         while lo <= hi:
             mid = (lo + hi) // 2
             c = run(U, overlap, chain, mid)
@@ -255,6 +267,8 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
                 found, hi = c, mid - 1
             else:
                 lo = mid + 1
+        if not overlap:
+            floor[(U, chain)] = found.rung if found is not None else top + 1
         return found if found is not None and found.estimate.fits else None
 
     seen[(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = p.most_frugal(chains, legal[-1], "fastest")
