@@ -17,6 +17,7 @@ import pytest
 
 from megatron_upipe.config import load_config
 from megatron_upipe.training.recipe_times import sbatch_config, sbatch_directives
+from tests.dist_helper import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -331,7 +332,7 @@ def test_two_node_ring_recipe_places_each_all_to_all_inside_a_node(tmp_path):
                                  "rings of 2 across 2 node(s)"),
                            ("1", "context parallel on 2 node(s): all-to-all groups of 4 ranks spanning up to 2 nodes")):
         run_dir = tmp_path / f"run-ring{ring}"
-        env = slurm_env(2, 8, 31, run_dir) | {"NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port()),
+        env = slurm_env(2, 8, 31, run_dir) | {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
                                               "FAKE_HOSTS": "localhost localhost",
                                               "PATH": f"{fakes.bin}:{venv_bin}:{os.environ['PATH']}"}
         r = fakes.run(RING_RECIPE, *overrides, f"parallel.cp_ring={ring}", f"checkpoint.dir={run_dir}/checkpoints",
@@ -340,14 +341,6 @@ def test_two_node_ring_recipe_places_each_all_to_all_inside_a_node(tmp_path):
         assert expected in r.stdout, r.stdout[-4000:]
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in records if x.get("kind", "train") == "train"] == [1, 2, 3], r.stdout[-3000:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.name)

@@ -25,8 +25,8 @@ from tests.dist_helper import run_on_ranks
 
 VOCAB = 256
 BASE = ["model.preset=small", "model.num_layers=2", "train.bf16=false", f"model.vocab_size={VOCAB}",
-        "data.path=mock", "dist.backend=gloo", "train.micro_batch_size=1", "parallel.cp=1", "parallel.cp_strategy=ulysses",
-        "model.attention_kernel=cpu_flash"]
+        "data.path=mock", "dist.backend=gloo", "train.micro_batch_size=1", "parallel.cp=1",
+        "parallel.cp_strategy=ulysses", "model.attention_kernel=cpu_flash"]
 CALIBRATION = {"512 tokens": ["train.seq_length=512"], "2048 tokens": ["train.seq_length=2048"]}
 PREDICTED = {"1024 tokens, full recompute": ["train.seq_length=1024", "memory.recompute=full"],
              "1536 tokens": ["train.seq_length=1536"]}

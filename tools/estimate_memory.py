@@ -240,8 +240,8 @@ def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "config_overrides": list(a.overrides), "seq_length": seq, "choice": what,
-                       "world_size": world, "gpu_bytes": gpu, "speed": hw.name, "search_seconds": seconds, **found.to_dict()}, f,
-                      indent=1)
+                       "world_size": world, "gpu_bytes": gpu, "speed": hw.name, "search_seconds": seconds,
+                       **found.to_dict()}, f, indent=1)
     return 0
 
 

@@ -121,7 +121,8 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
     """The verdict for `strategy` at `seq_length` (see the module docstring); jobs > 1 runs the depth
     extrapolation's simulations side by side; `memo` keeps simulations for the next estimate (depth.simulations)."""
     cfg = strategy_config(source, strategy, seq_length)
-    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes, jobs=jobs, memo=memo)  # shallow, extrapolated
+    step: StepMemory = simulate_deep(cfg, world_size, vocab_size, named_bytes, jobs=jobs,
+                                     memo=memo)  # shallow, extrapolated
     workspace = flash_workspace_bytes(cfg, world_size)
     breakdown = dict(step.breakdown)
     at_attention = step.attention_peak_bytes + workspace

@@ -25,8 +25,9 @@ offloaded ladder's last rung at the smallest U, serial) is planned first: if it 
 U: a smaller U plans less attention memory; with serial stages it is never faster at the same rung
 (tests/test_step_time.py), so after U fits at rung r a smaller U is tried only below r; with pipelined stages at r
 or below. Pipelined stages hold one more stage's buffers than serial ones, so at a U and ladder they are tried only
-from the lowest rung whose device peak fits serially. Every candidate tried is a full planner estimate (device and host, with the margins given), priced by the
-step-time model; the fastest that fits wins (ties: on the device, the lower rung, then the larger U). Simulations
+from the lowest rung whose device peak fits serially. Every candidate tried is a full planner estimate (device and
+host, with the margins given), priced by the step-time model; the fastest that fits wins (ties: on the device, the
+lower rung, then the larger U). Simulations
 are shared across the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one
 ladder, U and overlap extrapolate from the same three shallow models, so only the first of them simulates.
 
@@ -254,14 +255,9 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
         planned first: the rung a larger U needed is usually just too much for a smaller one, and if hi does not fit,
         no rung below it does."""
         lo, top, found = floor.get((U, chain), 0) if overlap else 0, hi, None
-        if lo <= hi < len(chains[chain]) - 1:
-            c = run(U, overlap, chain, hi)
-            if c.estimate.peak_bytes > gpu_mem_bytes:
-                lo = hi + 1
-            else:
-                found, hi = c, hi - 1
+        top_first = hi < len(chains[chain]) - 1
         while lo <= hi:
-            mid = (lo + hi) // 2
+            mid, top_first = hi if top_first else (lo + hi) // 2, False
             c = run(U, overlap, chain, mid)
             if c.estimate.peak_bytes <= gpu_mem_bytes:
                 found, hi = c, mid - 1

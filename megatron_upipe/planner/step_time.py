@@ -16,10 +16,10 @@ Priced (`predict`): compute = GEMM FLOPs / (peak · gemm_efficiency) + attention
 attention_efficiency); the attention all-to-alls and the P2P sends (the hybrid ring's passes, pipeline sends) are on
 the critical path: bytes / link bandwidth + calls · latency, except that with `memory.upipe_overlap` all but one
 stage's share of the all-to-all time hides under the attention kernels, and with `memory.ring_overlap` the P2P time
-does and costs only what exceeds them (pipeline sends, if any, are counted with the ring's); the tensor-parallel collectives
-are on the critical path too (each sits between two GEMMs that need its result; megatron-core overlaps them only
-with TransformerEngine's userbuffers, which this stack does not set up); Megatron-FSDP's / DDP's all-gathers,
-reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. The offloaded layer
+does and costs only what exceeds them (pipeline sends, if any, are counted with the ring's); the tensor-parallel
+collectives are on the critical path too (each sits between two GEMMs that need its result; megatron-core overlaps
+them only with TransformerEngine's userbuffers, which this stack does not set up); Megatron-FSDP's / DDP's
+all-gathers, reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. The offloaded layer
 inputs' copies back to the device (`bytes:host_to_device`, from the offloader's ledger) are on the critical path:
 bytes / host link bandwidth, each before its layer's recompute; with `memory.offload_prefetch` they run during the
 next layer's backward and cost only what exceeds the compute. Not modelled: memory-bound element-wise work (norms,
@@ -50,7 +50,7 @@ COLLECTIVES = {  # op -> (kind, index of the input tensor(s), index of the proce
     "allgather_into_tensor_coalesced_": ("allgather", 1, 2), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 2),
     "send": ("send", 0, 1),
 }
-TP_KINDS = ("tp_allgather", "tp_reduce_scatter", "tp_allreduce")  # WorkCounter's kinds of the tensor-parallel group
+TP_KINDS = ("tp_allgather", "tp_reduce_scatter", "tp_allreduce")  # WorkCounter's kinds of the TP group
 SEND_FRACTION = {"alltoall": lambda g: (g - 1) / g, "allgather": lambda g: g - 1,
                  "reduce_scatter": lambda g: (g - 1) / g, "allreduce": lambda g: 2 * (g - 1) / g, "send": lambda g: 1}
 
@@ -102,11 +102,11 @@ class WorkCounter:
             if g <= 1:
                 return
             link = self._link(group)
+            tensors = args[ti] if isinstance(args[ti], (list, tuple)) else [args[ti]]
+            sent = sum(t.numel() * t.element_size() for t in tensors) * SEND_FRACTION[kind](g)
             if group.group_name == self.tp_group:
                 kind = f"tp_{kind}"
-            tensors = args[ti] if isinstance(args[ti], (list, tuple)) else [args[ti]]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self._add(f"bytes:{kind}:{link}", nbytes * SEND_FRACTION[kind.removeprefix("tp_")](g))
+            self._add(f"bytes:{kind}:{link}", sent)
             self._add(f"calls:{kind}:{link}", 1)
 
     def _attention(self, q, k, causal: bool, backward: bool) -> None:
