@@ -1,12 +1,11 @@
 """`tools/estimate_memory.py --fastest`: the fastest stack that fits (planner/fastest.py).
 
 The shape: the `tiny-mha` preset (4 heads, 4 layers: partial recompute of 1 and 2) on cp 2 at 16K tokens, float32,
-where the memory ladders' rungs differ by MiB. Every stack the search could choose (every legal U x pipelined
-stages x ladder x rung: 30) is planned once
-(the brute force); the search, run at several device sizes with those same plans, must return the fastest stack
-that fits among all of them, having planned fewer; the ladder's premise (device memory falls and the modelled time
-rises rung by rung) holds in the brute force; when nothing fits it refuses in one line. The CLI writes the JSON the
-issue names.
+where the memory ladders' rungs differ by MiB. Every stack the search could choose (every legal U x pipelined stages
+(serial, true, outputs) x ladder x rung: 40) is planned once (the brute force); the search, run at several device
+sizes with those same plans, must return the fastest stack that fits among all of them, having planned fewer; the
+ladder's premise (device memory falls and the modelled time rises rung by rung; every overlap variant does the same
+work) holds in the brute force; when nothing fits it refuses in one line. The CLI writes the JSON the issue names.
 """
 
 from __future__ import annotations
@@ -53,14 +52,15 @@ def _job(rank, world_size, capacities):
     fastest.estimate = planned  # every plan once, shared by the brute force and the searches
     source = ConfigSource(CONFIG, SHAPE)
     chains = fastest.ladders(source, 2)
-    brute = {}
+    brute, works = {}, {}
     for U in (2, 4):
-        for overlap in (False, True) if U < 4 else (False,):
+        for overlap in (False, True, "outputs") if U < 4 else (False,):
             for chain, rungs in chains.items():
                 for r, rung in enumerate(rungs):
                     s = ConfigSource(CONFIG, (*SHAPE, *rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}"))
                     e = planned(s, 2, VOCAB, f"upipe:{U}", SEQ, 2**50, none)
                     brute[(U, overlap, chain, r)] = (e.peak_bytes, e.host_fits, fastest.step_time(e, 2, hw).seconds)
+                    works[(U, overlap, chain, r)] = e.work
     found = {}
     for gib in capacities:
         before = len(plans)
@@ -71,7 +71,8 @@ def _job(rank, world_size, capacities):
         except ConfigError as e:
             found[gib] = str(e)
         assert len(plans) - before <= 1  # the baseline at most: the brute force planned every stack
-    return brute, found, {name: len(rungs) for name, rungs in chains.items()}
+    same_work = all(w == works[(U, False, chain, r)] for (U, overlap, chain, r), w in works.items())
+    return brute, found, {name: len(rungs) for name, rungs in chains.items()}, same_work
 
 
 CAPACITIES = (1.0, 0.06, 0.05, 0.035, 0.025, 0.001)
@@ -85,7 +86,7 @@ def searched():
 def test_ladder_premise_memory_falls_and_time_rises_rung_by_rung(searched):
     """On each ladder memory falls and time rises rung by rung; pipelined stages never plan less than serial ones at
     the same U and rung (the search starts them at the serial floor)."""
-    brute, _, sizes = searched
+    brute, _, sizes, same_work = searched
     for U, overlap, chain in {(U, o, c) for U, o, c, _ in brute}:
         peaks = [brute[(U, overlap, chain, r)][0] for r in range(sizes[chain])]
         times = [brute[(U, overlap, chain, r)][2] for r in range(sizes[chain])]
@@ -94,11 +95,15 @@ def test_ladder_premise_memory_falls_and_time_rises_rung_by_rung(searched):
     for (U, overlap, chain, r), (peak, _, _) in brute.items():  # pipelined stages start at the serial floor
         if overlap:
             assert peak >= brute[(U, False, chain, r)][0], (U, chain, r)
+        if overlap == "outputs":  # drained outputs hold less than pipelined stages
+            assert peak <= brute[(U, True, chain, r)][0], (U, chain, r)
+    # every variant does the same work (the search prices a variant from the serial candidate's work)
+    assert same_work
 
 
 @pytest.mark.parametrize("gib", CAPACITIES[:-1])
 def test_search_returns_the_fastest_stack_that_fits(searched, gib):
-    brute, found, _ = searched
+    brute, found, _, _ = searched
     fitting = {k: t for k, (peak, host, t) in brute.items() if peak <= gib * GIB and host}
     assert fitting, f"{gib} GiB: the test's capacities must leave something that fits"
     choice, seconds, tried, as_dict = found[gib]
@@ -110,14 +115,14 @@ def test_search_returns_the_fastest_stack_that_fits(searched, gib):
 
 
 def test_capacities_make_different_choices(searched):
-    _, found, _ = searched
+    _, found, _, _ = searched
     rungs = {found[g][0][2:] for g in CAPACITIES[:-1]}
     assert len(rungs) == len(CAPACITIES) - 1, found  # the shape exercises both ladders, partial recompute included
     assert any(f[0][2] == "offloaded" and f[0][3] < 2 for f in found.values() if not isinstance(f, str)), found
 
 
 def test_nothing_fits_refuses_in_one_line(searched):
-    _, found, _ = searched
+    _, found, _, _ = searched
     message = found[CAPACITIES[-1]]
     assert isinstance(message, str) and "\n" not in message
     assert message.startswith("--fastest: no stack fits 0.00 GiB per GPU at train.seq_length=16384: the most frugal "

@@ -93,6 +93,9 @@ def test_counted_flops_and_bytes_equal_the_model_written_here_and_a_real_run(wor
         assert w["flops:attention"] == attention, name
         assert w["bytes:alltoall:nvlink"] == L * sent[name], name
         assert w["calls:attention"] == L * 2 * (1 if name == "ulysses" else H // int(name.split(":")[1])), name
+        # the results going back to sequence layout: forward the output, backward dq, [s, H·d] float32 a layer each
+        for result in ("forward", "backward"):
+            assert w[f"bytes:a2a_result_{result}:nvlink"] == L * s * H * d * 4 * (C - 1) // C, (name, result)
     assert not any(k.endswith(":ib") for w in work.values() for k in w)  # 2 ranks: one node
 
 
@@ -139,6 +142,17 @@ def test_predict_prices_the_work_as_documented():
     assert t.seconds == pytest.approx(2 + 4 + 2.012 + 4) and t.tokens_per_s_per_gpu == pytest.approx(1000 / t.seconds)
     # pipelined stages: one of 4 stages' all-to-all time stays exposed, the rest hides under 4 s of attention
     assert predict(w, hw, 8000, 8, overlap_stages=4).parts["all-to-all"] == pytest.approx(2.012 / 4)
+    # ... and the attention time covering them no longer covers the sharding collectives
+    assert predict(w, hw, 8000, 8, overlap_stages=4).parts["sharding collectives"] == pytest.approx(4 + 2.012 * 3 / 4)
+    # drained outputs, 4 stages and 2 KV rounds a layer: 3/4 of the forward results' time (0.4 s) and 2/4 of the
+    # backward's (0.2 s) hide under the GEMMs (2 s), at most the GEMM time
+    results = {**w, "bytes:a2a_result_forward:nvlink": 4 * 10**10, "bytes:a2a_result_backward:nvlink": 2 * 10**10}
+    drained = predict(results, hw, 8000, 8, drained_stages=(4, 2))
+    assert drained.parts["all-to-all"] == pytest.approx(2.012 - 0.4)
+    assert drained.parts["sharding collectives"] == pytest.approx(4 + 0.4)
+    fast = {**results, "flops:gemm": 10**14}  # 0.2 s of GEMMs
+    assert predict(fast, hw, 8000, 8, drained_stages=(4, 2)).parts["all-to-all"] == pytest.approx(2.012 - 0.2)
+    assert predict(results, hw, 8000, 8).parts["all-to-all"] == pytest.approx(2.012)
     # P2P (the ring's passes): on the critical path, or with memory.ring_overlap only what exceeds the attention
     sends = {**w, "bytes:send:ib": 5 * 10**10, "calls:send:ib": 4}
     assert predict(sends, hw, 8000, 8).parts["p2p"] == pytest.approx(5 + 0.004)

@@ -92,8 +92,7 @@ def _stack(d: dict) -> str:
         return "nothing fits"
     o = {k: v for k, _, v in (x.partition("=") for x in d["overrides"])}
     parts = [f"U={o['parallel.upipe_heads_per_stage']}" if "parallel.upipe_heads_per_stage" in o else "Ulysses"]
-    if o.get("memory.upipe_overlap") == "true":
-        parts.append("pipelined")
+    parts.append({"true": "pipelined", "outputs": "outputs drained"}.get(o.get("memory.upipe_overlap"), ""))
     if o.get("memory.recompute") == "full" and o.get("memory.recompute_layers", "null") != "null":
         parts.append(f"recompute {o['memory.recompute_layers']} layers")
     else:

@@ -30,6 +30,7 @@ from .kernels import select_kernel, stage_call
 from .rope import rope_cos_sin
 from .schedule import make_schedule
 from .upipe import StageOp, UPipeFunction
+from .upipe_stages import OVERLAPS
 from .varlen import documents
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -110,17 +111,20 @@ def _zigzag_rows(rows: torch.Tensor, a: int, C: int, r: int, R: int) -> torch.Te
 def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal, softmax_scale, kernel,
              ulysses: bool = False, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
              norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-             qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None,
+             qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool | str = False, ring_group=None,
              ring_overlap: bool = False):
     if norm_tile_rows < 1:
         raise ValueError(f"norm_tile_rows={norm_tile_rows} must be positive")
     if grad_accum not in ("fp32", "input"):
         raise ValueError(f"grad_accum={grad_accum!r}: use 'fp32' or 'input' (the activations' dtype)")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap={overlap!r}: use False, True (= 'stages') or 'outputs'")
+    overlap = OVERLAPS[overlap]
     C, R = group_size(cp_group), group_size(ring_group)
     _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C, R)
     if ring_group is not None:
         problems = [why for bad, why in ((not causal, "causal=False"), (cu_seqlens is not None, "cu_seqlens"),
-                                         (overlap, "overlap=True")) if bad]
+                                         (overlap != "none", f"overlap={overlap!r}")) if bad]
         if problems:
             raise ValueError(f"ring_group: ring attention here is causal over one sequence without pipelined stages; "
                              f"drop {', '.join(problems)} or ring_group")
@@ -149,7 +153,7 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     op = StageOp(schedule, cp_group, rank, chosen, causal, scale, save_heads=ulysses,
                  accumulate_fp32=grad_accum == "fp32", norm_eps=norm_eps, norm_tile_rows=norm_tile_rows,
-                 qk_norm_eps=float(qk_norm_eps), docs=docs, overlap=bool(overlap), ring=ring_group,
+                 qk_norm_eps=float(qk_norm_eps), docs=docs, overlap=overlap, ring=ring_group,
                  ring_overlap=bool(ring_overlap))
     if rotary_pos_emb is not None and rotary_pos_emb.shape[0] != x.shape[0]:  # all N rows: keep this rank's
         if ring_group is None:  # contiguous: a view
@@ -164,7 +168,8 @@ def upipe_attention_grouped(
     x, w_q, w_k, w_v, *, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True, softmax_scale=None,
     kernel: str | None = None, grad_accum: str = "fp32", w_o=None, norm_w=None, norm_eps: float = 1e-5,
     norm_tile_rows: int = 32768, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None, ring_overlap: bool = False,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool | str = False, ring_group=None,
+    ring_overlap: bool = False,
 ):
     """UPipe with weights grouped by KV head: w_q [G, g, d, D], w_k/w_v [G, d, D] -> [s, b, G·g·d].
 
@@ -250,7 +255,8 @@ def _group_biases(w_q, b_q, b_k, b_v, num_heads: int, num_kv_heads: int):
 def upipe_attention(
     x, w_q, w_k, w_v, *, num_heads, num_kv_heads, cp_group, heads_per_stage=None, rotary_pos_emb=None, causal=True,
     softmax_scale=None, kernel: str | None = None, b_q=None, b_k=None, b_v=None, q_norm_w=None, k_norm_w=None,
-    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool = False, ring_group=None, ring_overlap: bool = False,
+    qk_norm_eps: float = 1e-6, cu_seqlens=None, overlap: bool | str = False, ring_group=None,
+    ring_overlap: bool = False,
 ):
     """UPipe attention of this rank's tokens.
 
@@ -264,9 +270,11 @@ def upipe_attention(
     [d] (both or none): QK-norm weights, eps qk_norm_eps (see `upipe_attention_grouped`).
     cu_seqlens: int32 [n_docs + 1] cumulative document lengths of the global packed sequence (b must be 1):
     attention inside each document only (module docstring).
-    overlap: pipelined stages: while one stage's kernel runs, the next stage's projections have gone out in
-    asynchronous all-to-alls and the previous stage's result comes back (forward and backward); the same results
-    bit for bit, at most one more stage of all-to-all buffers (and a KV round's K/V at a round boundary) alive.
+    overlap: pipelined stages, the same results bit for bit (upipe_pipelined.py). True or 'stages': while one
+    stage's kernel runs, the next stage's projections have gone out in asynchronous all-to-alls and the previous
+    stage's result comes back (forward and backward); at most one more stage of all-to-all buffers (and a KV
+    round's K/V at a round boundary) alive. 'outputs': only each stage's result (output, dq) in flight, while the
+    next stage's projections run; one stage's result buffers alive more. False: stage after stage.
     ring_group: hybrid UPipe x ring (cp_group is then the all-to-all group): rank (a, r) holds the tokens
     `layout.local_positions(N, a, C, r, R)` (N = s·C·R: zigzag chunks over the R ring ranks, contiguous inside the
     a2a group) and each stage's attention runs as causal ring attention over ring_group (ring.py).

@@ -57,7 +57,7 @@ Modules, each importing only the ones before it: upipe_rows (the input rows, fus
 accumulation), upipe_indices (the schedule's head ids as index tensors), upipe_stages (StageOp and the steps of
 one stage: projection, all-to-all, kernel call), upipe_passes (one forward or backward call's state and its
 stage steps), upipe_serial and upipe_pipelined (the two stage loops, forward and backward each), and this one:
-the autograd.Function and `upipe_forward` / `upipe_backward`, which pick the loop (pipelined with op.overlap).
+the autograd.Function and `upipe_forward` / `upipe_backward`, which pick the loop (pipelined by op.overlap).
 
 Tests that replace a piece of the stage code (a kernel spy, a broken all-to-all) do so in every module that holds
 it: tests/upipe_seams.py.
@@ -72,16 +72,18 @@ import torch
 from .upipe_indices import (_build_indices, _cached_indices, _stage_indices,  # noqa: F401 (named by tests)
                             ordered_index_add_, replica_groups)
 from .upipe_passes import BackwardPass, ForwardPass
-from .upipe_pipelined import pipelined_backward, pipelined_forward
+from .upipe_pipelined import drained_backward, drained_forward, pipelined_backward, pipelined_forward
 from .upipe_rows import _norm_rstd, accumulate_mm  # noqa: F401 (accumulate_mm: named by tests)
 from .upipe_serial import serial_backward, serial_forward
 from .upipe_stages import (InFlight, StageOp, _ready, _settle, head_to_seq,  # noqa: F401 (named by tests)
                            kernel_backward, kernel_forward, seq_to_head)
 
 
-def _pipelined(op: StageOp) -> bool:
-    """op.overlap pipelines UPipe's stages; Ulysses (op.save_heads) has one stage, nothing to overlap."""
-    return op.overlap and not op.save_heads
+def _loops(op: StageOp):
+    """The (forward, backward) stage loops of op.overlap; Ulysses (op.save_heads) has one stage, nothing to overlap."""
+    if op.save_heads or op.overlap == "none":
+        return serial_forward, serial_backward
+    return (pipelined_forward, pipelined_backward) if op.overlap == "stages" else (drained_forward, drained_backward)
 
 
 def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b_q=None, b_k=None, b_v=None,
@@ -95,7 +97,7 @@ def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b
     when op.save_heads else []).
     """
     fw = ForwardPass(x, w_q, w_k, w_v, rope, op, norm_w, rstd, b_q, b_k, b_v, q_norm_w, k_norm_w)
-    return pipelined_forward(fw) if _pipelined(op) else serial_forward(fw)
+    return _loops(op)[0](fw)
 
 
 def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: StageOp, needs_dw: bool = True,
@@ -117,7 +119,7 @@ def upipe_backward(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op: St
     emptied as it is consumed so each stage's tensors die as early as they would under autograd."""
     bw = BackwardPass(dout, x, w_q, w_k, w_v, out, lses, auxes, saved, rope, op, needs_dw, w_o, norm_w, rstd, b_q,
                       b_k, b_v, q_norm_w, k_norm_w)
-    return pipelined_backward(bw) if _pipelined(op) else serial_backward(bw)
+    return _loops(op)[1](bw)
 
 
 def _split_tensors(obj, tensors: list):

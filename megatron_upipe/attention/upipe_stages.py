@@ -31,6 +31,10 @@ from .upipe_rows import _Rows
 from .varlen import Documents
 
 
+# The values `overlap` takes in the op's API (bool or name) -> StageOp.overlap
+OVERLAPS = {False: "none", True: "stages", "none": "none", "stages": "stages", "outputs": "outputs"}
+
+
 @dataclass(frozen=True)
 class StageOp:
     """Everything the stage loop needs besides tensors (all validated by the caller)."""
@@ -52,9 +56,11 @@ class StageOp:
     norm_tile_rows: int = 32768  # rows of RMSNorm(x) regenerated at a time (float32 temporaries [T, D])
     qk_norm_eps: float = 1e-6  # of the per-head q/k RMSNorm (QK-norm), when its weights are passed
     docs: Documents | None = None  # packed documents (cu_seqlens): attention inside each; None: one sequence
-    # Pipelined stages (memory.upipe_overlap): the next stage's all-to-alls in flight while this stage's kernel
-    # runs and the previous stage's result all-to-all drains; same results bit for bit, one more stage of buffers.
-    overlap: bool = False
+    # Pipelined stages (memory.upipe_overlap, upipe_pipelined.py), same results bit for bit: "stages" = the next
+    # stage's all-to-alls in flight while this stage's kernel runs and the previous stage's result all-to-all drains
+    # (one more stage of buffers); "outputs" = only each stage's result in flight, during the next stage's
+    # projections (one stage's result buffers more); "none" = serial.
+    overlap: str = "none"
     # Hybrid UPipe x ring: each stage's attention runs as causal ring attention over this group (ring.py) on the
     # a2a group's zigzag tokens (layout.local_positions); None: one kernel call on the group's whole sequence.
     ring: dist.ProcessGroup | None = None

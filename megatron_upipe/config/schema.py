@@ -394,10 +394,13 @@ class MemoryConfig:
     # rounding at the end, as one fused projection GEMM would) or in the activations' 16-bit dtype ("input": the two
     # largest attention-backward buffers at half size, one rounding per stage).
     attention_grad_accum: Literal["fp32", "input"] = "fp32"
-    # UPipe's head stages pipelined: while one stage's attention kernel runs, the next stage's projections are in
-    # asynchronous all-to-alls and the previous stage's result drains (forward and backward). Same results bit for
-    # bit; costs the next stage's buffers in flight (send + receive), which the memory planner counts.
-    upipe_overlap: bool = False
+    # UPipe's head stages pipelined, the same results bit for bit either way. true: while one stage's attention
+    # kernel runs, the next stage's projections are in asynchronous all-to-alls and the previous stage's result
+    # drains (forward and backward); costs the next stage's buffers in flight (send + receive). "outputs": only each
+    # stage's result all-to-all (output, dq) drains, behind the next stage's projections and input all-to-alls;
+    # costs one stage's result in flight ([s/cp, b, U, d] send + receive). The memory planner counts both, the
+    # step-time model prices both (planner/step_time.py). false: stage after stage.
+    upipe_overlap: bool | Literal["outputs"] = False
     # Hybrid a2a x ring (parallel.cp_ring > 1): the ring's P2P passes (the next K/V; in backward also the last step's
     # dK/dV) run while its blocks compute, instead of between steps. Same results bit for bit; costs whole receive
     # buffers instead of 256 MiB pieces (one more K/V copy in forward, one more K/V and float32 dK/dV copy in

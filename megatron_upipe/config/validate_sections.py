@@ -11,6 +11,7 @@ import math
 
 from megatron_upipe.models.presets import LlamaArch
 
+from .fieldtypes import show
 from .schema import TE_CP_STRATEGIES, Config
 
 
@@ -81,12 +82,13 @@ def check_cp_strategy(config: Config, errors: list[str]) -> None:
     if p.cp_strategy in TE_CP_STRATEGIES and config.dist.backend == "gloo":
         errors.append(f"parallel.cp_strategy={p.cp_strategy} (TransformerEngine) needs CUDA and NCCL: set "
                       f"dist.backend=nccl/auto or cp_strategy=upipe/ulysses")
-    if config.memory.upipe_overlap and p.cp_strategy != "upipe":
-        errors.append(f"memory.upipe_overlap=true pipelines UPipe's head stages (Ulysses has one stage): set "
-                      f"parallel.cp_strategy=upipe or memory.upipe_overlap=false (cp_strategy={p.cp_strategy})")
-    if p.cp_ring > 1 and config.memory.upipe_overlap:
-        errors.append(f"memory.upipe_overlap=true is not implemented with parallel.cp_ring={p.cp_ring} (the ring's "
-                      f"stages run serially): set memory.upipe_overlap=false or parallel.cp_ring=1")
+    overlap = config.memory.upipe_overlap
+    if overlap and p.cp_strategy != "upipe":
+        errors.append(f"memory.upipe_overlap={show(overlap)} pipelines UPipe's head stages (Ulysses has one stage): "
+                      f"set parallel.cp_strategy=upipe or memory.upipe_overlap=false (cp_strategy={p.cp_strategy})")
+    if p.cp_ring > 1 and overlap:
+        errors.append(f"memory.upipe_overlap={show(overlap)} is not implemented with parallel.cp_ring={p.cp_ring} "
+                      f"(the ring's stages run serially): set memory.upipe_overlap=false or parallel.cp_ring=1")
     if p.cp_ring == 1 and config.memory.ring_overlap:
         errors.append("memory.ring_overlap=true overlaps the ring's P2P passes of hybrid a2a x ring: set "
                       "parallel.cp_ring > 1 or memory.ring_overlap=false")

@@ -151,7 +151,7 @@ class RankRowsRotaryEmbedding(torch.nn.Module):
 def build_llama(
     arch: LlamaArch, layout: ParallelLayout, pg_collection, *, vocab_size: int | None = None,
     dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None, mlp_chunks: int = 1,
-    loss_chunks: int = 1, offloader=None, attention_grad_accum: str = "fp32", upipe_overlap: bool = False,
+    loss_chunks: int = 1, offloader=None, attention_grad_accum: str = "fp32", upipe_overlap: bool | str = False,
     ring_overlap: bool = False, attention_kernel: str = "auto", kernel_device=None,
 ) -> LlamaStage:
     """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`.
@@ -160,8 +160,8 @@ def build_llama(
     offloader: `memory.offload_checkpoints` - a `megatron_upipe.memory_switches.offload.HostOffloader` (or the memory
     planner's SimulatedHostOffloader) that keeps each checkpointed layer input until its backward; needs the
     config's full recompute. None = off. attention_grad_accum: `memory.attention_grad_accum` of the UPipe/Ulysses op.
-    upipe_overlap: `memory.upipe_overlap`, the UPipe op's pipelined stages. ring_overlap: `memory.ring_overlap`,
-    the hybrid ring's P2P passes during its block computation.
+    upipe_overlap: `memory.upipe_overlap`, the UPipe op's pipelined stages (true or "outputs"). ring_overlap:
+    `memory.ring_overlap`, the hybrid ring's P2P passes during its block computation.
     attention_kernel / kernel_device: `model.attention_kernel` and the run's device (see spec.build_cp_plan).
     """
     vocab = vocab_size if vocab_size is not None else arch.vocab_size

@@ -109,14 +109,15 @@ def _op_kernel(name: str, config: TransformerConfig, device) -> str | None:
 
 def build_cp_plan(config: TransformerConfig, layout: ParallelLayout, pp_rank: int = 0,
                   grad_accum: str = "fp32", attention_kernel: str = "auto", kernel_device=None,
-                  overlap: bool = False, ring_overlap: bool = False) -> CPPlan:
+                  overlap: bool | str = False, ring_overlap: bool = False) -> CPPlan:
     """Layer spec of pipeline stage `pp_rank` for `layout.cp_strategy` (the only reader of that field).
     grad_accum: the UPipe/Ulysses op's backward accumulation ('fp32' or 'input'); other strategies need 'fp32'.
     attention_kernel: `model.attention_kernel`, the UPipe/Ulysses op's local kernel ('auto' or a name from
     megatron_upipe.attention.kernels.KERNELS); other strategies need 'auto'. kernel_device: the device the model
     will run on; with it a named kernel that cannot run there is refused now, before any parameter exists.
-    overlap: UPipe's pipelined stages (`memory.upipe_overlap`); 'upipe' only. ring_overlap: the hybrid ring's P2P
-    passes during its blocks (`memory.ring_overlap`); 'ulysses' or 'upipe' with layout.cp_ring > 1."""
+    overlap: UPipe's pipelined stages (`memory.upipe_overlap`: true or "outputs"); 'upipe' only. ring_overlap: the
+    hybrid ring's P2P passes during its blocks (`memory.ring_overlap`); 'ulysses' or 'upipe' with layout.cp_ring >
+    1."""
     strategy = layout.cp_strategy
     norm = RMSNorm
     if strategy == "none":

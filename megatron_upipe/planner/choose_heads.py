@@ -1,15 +1,15 @@
 """`parallel.upipe_heads_per_stage=auto`: the fastest legal U whose plan fits device and host.
 
-U trades memory for speed: the head-proportional attention buffers scale with U/C, while every stage costs its
-own kernel calls and all-to-all calls. The step-time model (step_time.py) prices exactly that: the same FLOPs at
-every U and, for a smaller U, more all-to-all calls (and as many or more bytes), so with serial stages its time
-never falls as U shrinks (tests/test_step_time.py checks it over every legal U), and the largest U that fits is
-the fastest that fits: `choose_heads_per_stage` simulates the legal U values from the largest down with the memory
-planner (`estimate`: device and host) and takes the first that fits. With pipelined stages (memory.upipe_overlap)
-that no longer holds: all but one stage's all-to-all hides under the attention kernels, so more stages can be
-faster; then every legal U is planned and the fitting U with the most tokens/s by the model is taken (the largest
-on a tie, or when the GPU model has no stated speed constants). If none fits, it says by how much the smallest
-misses.
+U trades memory for speed: the head-proportional attention buffers scale with U/C, while every stage costs its own
+kernel calls and all-to-all calls. The step-time model (step_time.py) prices exactly that: the same FLOPs at every U
+and, for a smaller U, more all-to-all calls (and as many or more bytes), so with serial stages its time never falls
+as U shrinks (tests/test_step_time.py checks it over every legal U), and the largest U that fits is the fastest that
+fits: `choose_heads_per_stage` simulates the legal U values from the largest down with the memory planner
+(`estimate`: device and host) and takes the first that fits. With pipelined stages (memory.upipe_overlap true or
+"outputs") that no longer holds: all but one stage's all-to-all hides under the attention kernels (or its result
+under the next stage's projections), so more stages can be faster; then every legal U is planned and the fitting U
+with the most tokens/s by the model is taken (the largest on a tie, or when the GPU model has no stated speed
+constants). If none fits, it says by how much the smallest misses.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ class Estimate:
     host_fits: bool = True
     work: dict = field(default_factory=dict)  # the step's FLOPs and collective bytes (planner/step_time.py)
     tokens_per_step: int = 0  # global batch x sequence length
-    overlap_stages: int = 0  # UPipe stages per layer when memory.upipe_overlap pipelines them, else 0
+    overlap_stages: int = 0  # UPipe stages per layer when memory.upipe_overlap=true pipelines them, else 0
+    drained_stages: tuple = (0, 0)  # (UPipe stages, KV rounds) per layer with memory.upipe_overlap=outputs
     ring_overlap: bool = False  # memory.ring_overlap: the hybrid ring's P2P passes during its blocks
     offload_prefetch: bool = False  # memory.offload_prefetch: the offloaded inputs come back a layer ahead
 
@@ -136,17 +137,29 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
     total = device + sum(named_margins.values())
     host = plan_host(cfg, world_size, vocab_size, step)
     plan = validate(cfg, world_size)
-    overlap = plan.upipe_stages if cfg.memory.upipe_overlap and cfg.parallel.cp_strategy == "upipe" else 0
     return Estimate(strategy, seq_length, total, total <= gpu_mem_bytes and host.fits, breakdown, host.per_rank_bytes,
                     gpu_mem_bytes, step.peak_bytes, device, named, host.breakdown, host.per_node_bytes,
-                    host.host_mem_bytes, host.fits, dict(step.work or {}), plan.tokens_per_step, overlap or 0,
-                    cfg.memory.ring_overlap, cfg.memory.offload_prefetch)
+                    host.host_mem_bytes, host.fits, dict(step.work or {}), plan.tokens_per_step,
+                    ring_overlap=cfg.memory.ring_overlap, offload_prefetch=cfg.memory.offload_prefetch,
+                    **overlap_pricing(cfg, plan, cfg.memory.upipe_overlap))
+
+
+def overlap_pricing(cfg: Config, plan, overlap: bool | str) -> dict:
+    """The Estimate fields that tell the step-time model how UPipe's stages overlap with memory.upipe_overlap =
+    `overlap` (overlap_stages, drained_stages); the work itself is the same for every variant."""
+    if cfg.parallel.cp_strategy != "upipe" or not overlap:
+        return {"overlap_stages": 0, "drained_stages": (0, 0)}
+    if overlap is True:
+        return {"overlap_stages": plan.upipe_stages, "drained_stages": (0, 0)}
+    sched = make_schedule(plan.local_heads, plan.local_kv_heads, cfg.parallel.cp_a2a, plan.heads_per_stage)
+    return {"overlap_stages": 0, "drained_stages": (len(sched.stages), len(sched.round_kv_heads))}
 
 
 def step_time(est: Estimate, world_size: int, hw: Hardware) -> StepTime:
     """The step-time model's prediction for an estimate's counted work on `hw` (planner/step_time.py)."""
     return predict(est.work, hw, est.tokens_per_step, world_size, overlap_stages=est.overlap_stages,
-                   ring_overlap=est.ring_overlap, offload_prefetch=est.offload_prefetch)
+                   drained_stages=tuple(est.drained_stages), ring_overlap=est.ring_overlap,
+                   offload_prefetch=est.offload_prefetch)
 
 
 def format_time(est: Estimate, world_size: int, hw: Hardware) -> str:

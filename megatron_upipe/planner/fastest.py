@@ -1,9 +1,10 @@
 """The fastest stack that fits: U, pipelined stages and the memory switches chosen for one length.
 
 A stack is the config as given with three things chosen: UPipe's U (`parallel.upipe_heads_per_stage`), pipelined
-stages (`memory.upipe_overlap`) and a rung of one of two memory ladders. Each rung keeps the switches of the one
-before it and adds one that saves device memory and costs time (L = layers per pipeline stage; partial recompute
-at N = L/4, L/2, 3L/4 where that keeps two layers at least, megatron-core's block method, memory.recompute_layers):
+stages (`memory.upipe_overlap`: serial, true or "outputs") and a rung of one of two memory ladders. Each rung keeps
+the switches of the one before it and adds one that saves device memory and costs time (L = layers per pipeline
+stage; partial recompute at N = L/4, L/2, 3L/4 where that keeps two layers at least, megatron-core's block method,
+memory.recompute_layers):
 
     on device                                   offloaded
     0 activations kept (no recompute, no        0 recompute N = L/4, its inputs offloaded (prefetched), tiles,
@@ -17,19 +18,21 @@ at N = L/4, L/2, 3L/4 where that keeps two layers at least, megatron-core's bloc
 
 Why ladders and not every combination: on a ladder the planner's device peak falls rung by rung and the step-time
 model's time rises rung by rung (each adds recomputed FLOPs or exposed copies, or overlapped collectives; a partial
-rung keeps two layers at least: with one kept layer a tiny model's peak can exceed full recompute's), so for a
-given U and overlap the first rung that fits is the fastest that fits, found by bisection. The offloaded ladder
-holds less on the device than the on-device one at the same N, for the same time (its copies back are prefetched)
-but host memory; it is searched only below the N the on-device ladder needed. The most frugal stack of all (the
-offloaded ladder's last rung at the smallest U, serial) is planned first: if it does not fit, nothing does. Across
-U: a smaller U plans less attention memory; with serial stages it is never faster at the same rung
+rung keeps two layers at least: with one kept layer a tiny model's peak can exceed full recompute's), so for a given
+U and overlap the first rung that fits is the fastest that fits, found by bisection. The offloaded ladder holds less
+on the device than the on-device one at the same N, for the same time (its copies back are prefetched) but host
+memory; it is searched only below the N the on-device ladder needed. The most frugal stack of all (the offloaded
+ladder's last rung at the smallest U, serial) is planned first: if it does not fit, nothing does. Across U: a
+smaller U plans less attention memory; with serial stages it is never faster at the same rung
 (tests/test_step_time.py), so after U fits at rung r a smaller U is tried only below r; with pipelined stages at r
-or below. Pipelined stages hold one more stage's buffers than serial ones, so at a U and ladder they are tried only
-from the lowest rung whose device peak fits serially. Every candidate tried is a full planner estimate (device and
-host, with the margins given), priced by the step-time model; the fastest that fits wins (ties: on the device, the
-lower rung, then the larger U). Simulations
-are shared across the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one
-ladder, U and overlap extrapolate from the same three shallow models, so only the first of them simulates.
+or below. Pipelined stages hold one more stage's buffers than serial ones (drained outputs one stage's result), so
+at a U and ladder they are tried only from the lowest rung whose device peak fits serially, and only if they can
+win: every variant does the same work, so a variant's time at that rung is the serial candidate's counted work
+priced with its overlap, and if that is no faster than the fastest stack found so far, no rung of it is. Every
+candidate tried is a full planner estimate (device and host, with the margins given), priced by the step-time model;
+the fastest that fits wins (ties: on the device, the lower rung, then the larger U). Simulations are shared across
+the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one ladder, U and
+overlap extrapolate from the same three shallow models, so only the first of them simulates.
 
 Not searched: tensor and pipeline parallel sizes and the ring split (the step-time model prices TP's collectives on
 the critical path, but each size multiplies the search's simulations; pipeline bubbles and the ring's split are not
@@ -39,12 +42,13 @@ They stay as the config has them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from megatron_upipe.attention import legal_heads_per_stage
 from megatron_upipe.config import ConfigError, validate
-from megatron_upipe.planner.estimate import GIB, ConfigSource, Estimate, estimate, step_time
+from megatron_upipe.planner.estimate import GIB, ConfigSource, Estimate, estimate, overlap_pricing, step_time
 from megatron_upipe.planner.step_time import Hardware, StepTime, causal_pairs
 
 DEFAULT_MLP_CHUNKS, DEFAULT_LOSS_CHUNKS = 8, 16
@@ -116,7 +120,7 @@ class Candidate:
     ladder: str  # ON_DEVICE or OFFLOADED ("" for the config as given)
     rung: int
     heads_per_stage: int | None
-    overlap: bool
+    overlap: bool | str  # memory.upipe_overlap: False, "outputs" or True
     estimate: Estimate
     time: StepTime
 
@@ -167,13 +171,21 @@ class _Planning:
     def config(self):
         return self.source.load([f"train.seq_length={self.seq_length}"])
 
-    def candidate(self, U: int | None, overlap: bool, ladder: str, r: int, rung: Rung) -> Candidate:
+    def candidate(self, U: int | None, overlap: bool | str, ladder: str, r: int, rung: Rung) -> Candidate:
         """The config with `rung` at UPipe's `U` (None: the config's own non-UPipe strategy), planned and priced."""
         extra = (*rung.overrides, f"memory.upipe_overlap={str(overlap).lower()}")
         strategy = f"upipe:{U}" if U is not None else self.config.parallel.cp_strategy
         est = self._estimate(ConfigSource(self.source.path, (*self.source.overrides, *extra)), strategy)
         chosen = (*extra, *([f"parallel.upipe_heads_per_stage={U}"] if U is not None else []))
         return Candidate(chosen, ladder, r, U, overlap, est, step_time(est, self.world_size, self.hw))
+
+    def priced_as(self, c: Candidate, overlap: bool | str) -> StepTime:
+        """The step time of candidate c's counted work with memory.upipe_overlap = `overlap` (every variant does
+        the same work; only what hides differs), without planning that variant's memory."""
+        config = self.source.load([*c.overrides, f"memory.upipe_overlap={str(overlap).lower()}",
+                                   f"train.seq_length={self.seq_length}"])
+        fields = overlap_pricing(config, validate(config, self.world_size), overlap)
+        return step_time(dataclasses.replace(c.estimate, **fields), self.world_size, self.hw)
 
     def baseline(self) -> Candidate:
         """The config as given (U unset or auto: the smallest legal, as the planner plans it)."""
@@ -234,7 +246,7 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
     one_stage = validate(p.config, world_size).local_heads
     seen: dict[tuple, Candidate] = {}
 
-    def run(U: int | None, overlap: bool, chain: str, r: int) -> Candidate:
+    def run(U: int | None, overlap: bool | str, chain: str, r: int) -> Candidate:
         key = (U, overlap, chain, r)
         if key not in seen:
             c = seen[key] = p.candidate(U, overlap, chain, r, chains[chain][r])
@@ -267,19 +279,30 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
             floor[(U, chain)] = found.rung if found is not None else top + 1
         return found if found is not None and found.estimate.fits else None
 
+    def can_win(U, overlap, chain: str) -> bool:
+        """Whether a pipelined variant at (U, chain) can beat the fastest stack found so far: it fits at the serial
+        floor at best, and its time there is the serial candidate's work priced with its overlap (times rise rung
+        by rung)."""
+        serial = seen.get((U, False, chain, floor.get((U, chain))))
+        if serial is None or not fitting:
+            return True
+        return p.priced_as(serial, overlap).seconds < min(c.seconds for c in fitting)
+
     seen[(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = p.most_frugal(chains, legal[-1], "fastest")
     fitting: list[Candidate] = []
-    for overlap in ((False, True) if legal != [None] else (False,)):
+    for overlap in ((False, True, "outputs") if legal != [None] else (False,)):
         hi = {name: len(rungs) - 1 for name, rungs in chains.items()}
         for U in legal:
             if overlap and U == one_stage:  # one stage: nothing to pipeline
                 continue
-            on_device = first_fit(U, overlap, ON_DEVICE, hi[ON_DEVICE])
+            on_device = first_fit(U, overlap, ON_DEVICE, hi[ON_DEVICE]) \
+                if not overlap or can_win(U, overlap, ON_DEVICE) else None
             # offloaded: worth planning only where it recomputes fewer layers than the on-device choice
             need = chains[ON_DEVICE][on_device.rung].recomputed if on_device is not None else None
             top = hi[OFFLOADED] if need is None else \
                 min(hi[OFFLOADED], sum(r.recomputed < need for r in chains[OFFLOADED]) - 1)
-            offloaded = first_fit(U, overlap, OFFLOADED, top)
+            offloaded = first_fit(U, overlap, OFFLOADED, top) \
+                if not overlap or can_win(U, overlap, OFFLOADED) else None
             for name, c in ((ON_DEVICE, on_device), (OFFLOADED, offloaded)):
                 if c is not None:
                     fitting.append(c)

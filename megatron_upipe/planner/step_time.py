@@ -10,16 +10,24 @@ the planner's fake mode with every op the step runs):
   reduce-scatter (g-1)/g of its input, all-reduce 2(g-1)/g, send its tensors; and the number of calls. Those of
   the tensor-parallel group (sequence parallelism's all-gathers and reduce-scatters around every block, the
   all-reduces without it, the vocabulary-parallel loss's) are counted apart, as kinds tp_allgather,
-  tp_reduce_scatter and tp_allreduce.
+  tp_reduce_scatter and tp_allreduce. The first all-to-all after each attention kernel call is the stage's result
+  going back to sequence layout (UPipe's and Ulysses' loops: forward its output, backward its dq): it is also
+  counted apart, as a2a_result_forward / a2a_result_backward (a share of alltoall, not added to it).
 
 Priced (`predict`): compute = GEMM FLOPs / (peak · gemm_efficiency) + attention FLOPs / (peak ·
 attention_efficiency); the attention all-to-alls and the P2P sends (the hybrid ring's passes, pipeline sends) are on
-the critical path: bytes / link bandwidth + calls · latency, except that with `memory.upipe_overlap` all but one
-stage's share of the all-to-all time hides under the attention kernels, and with `memory.ring_overlap` the P2P time
+the critical path: bytes / link bandwidth + calls · latency, except that with `memory.upipe_overlap=true` all but
+one stage's share of the all-to-all time hides under the attention kernels; with `memory.upipe_overlap=outputs` the
+drained results' all-to-alls hide under the next stage's projection GEMMs (every stage's output in forward but the
+last, every stage's dq in backward but each KV round's last: the counted results x (n-1)/n and (n-R)/n for n stages
+and R rounds per layer), at most the step's GEMM time (with the stated constants a stage's q projection takes
+D·C/(C-1) · link bandwidth / (peak · gemm_efficiency) = 4.3x its output's all-to-all at Llama3-8B's D on 8 H100s,
+so the cap does not bind); and with `memory.ring_overlap` the P2P time
 does and costs only what exceeds them (pipeline sends, if any, are counted with the ring's); the tensor-parallel
 collectives are on the critical path too (each sits between two GEMMs that need its result; megatron-core overlaps
 them only with TransformerEngine's userbuffers, which this stack does not set up); Megatron-FSDP's / DDP's
-all-gathers, reduce-scatters and all-reduces overlap with compute and cost only what exceeds it. The offloaded layer
+all-gathers, reduce-scatters and all-reduces overlap with compute and cost only what exceeds it (the compute not
+already covering hidden all-to-alls). The offloaded layer
 inputs' copies back to the device (`bytes:host_to_device`, from the offloader's ledger) are on the critical path:
 bytes / host link bandwidth, each before its layer's recompute; with `memory.offload_prefetch` they run during the
 next layer's backward and cost only what exceeds the compute. Not modelled: memory-bound element-wise work (norms,
@@ -76,6 +84,7 @@ class WorkCounter:
         self.tp_group = tp_group  # the tensor-parallel group's name: its collectives are counted as tp_<kind>
         self.totals: dict[str, int] = {}
         self._links: dict[str, str] = {}  # process group name -> link
+        self._result: str | None = None  # "forward"/"backward": the next all-to-all carries a kernel's result
 
     def _add(self, key: str, n: float) -> None:
         self.totals[key] = self.totals.get(key, 0) + int(round(n))
@@ -108,12 +117,17 @@ class WorkCounter:
                 kind = f"tp_{kind}"
             self._add(f"bytes:{kind}:{link}", sent)
             self._add(f"calls:{kind}:{link}", 1)
+            if kind == "alltoall" and self._result is not None:
+                self._add(f"bytes:a2a_result_{self._result}:{link}", sent)
+                self._add(f"calls:a2a_result_{self._result}:{link}", 1)
+                self._result = None
 
     def _attention(self, q, k, causal: bool, backward: bool) -> None:
         b, h, nq, d = q.shape
         pairs = causal_pairs(nq, k.shape[2]) if causal else nq * k.shape[2]
         self._add("flops:attention", (10 if backward else 4) * b * h * d * pairs)
         self._add("calls:attention", 1)
+        self._result = "backward" if backward else "forward"
 
     def _link(self, group) -> str:
         name = group.group_name
@@ -179,22 +193,32 @@ def host_seconds(work: dict[str, int], hw: Hardware) -> float:
 
 
 def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size: int, *, overlap_stages: int = 0,
-            ring_overlap: bool = False, offload_prefetch: bool = False) -> StepTime:
+            drained_stages: tuple[int, int] = (0, 0), ring_overlap: bool = False,
+            offload_prefetch: bool = False) -> StepTime:
     """Seconds per training step and tokens/s per GPU from the counted `work` of rank 0 (every rank does the same
-    work); `overlap_stages` = the number of UPipe stages per layer when memory.upipe_overlap pipelines them (0: the
-    all-to-alls run serially); `ring_overlap`: memory.ring_overlap, the ring's passes run during its blocks;
+    work); `overlap_stages` = the number of UPipe stages per layer when memory.upipe_overlap=true pipelines them (0:
+    the all-to-alls run serially); `drained_stages` = (stages, KV rounds) per layer when memory.upipe_overlap=outputs
+    drains the results ((0, 0): not); `ring_overlap`: memory.ring_overlap, the ring's passes run during its blocks;
     `offload_prefetch`: memory.offload_prefetch, the offloaded inputs come back during the previous layer's
     backward."""
     gemm = work.get("flops:gemm", 0) / (hw.peak_flops * hw.gemm_efficiency)
     attention = work.get("flops:attention", 0) / (hw.peak_flops * hw.attention_efficiency)
     a2a = comm_seconds(work, ("alltoall",), hw)
+    hidden = 0.0  # all-to-all seconds hidden under compute
     if overlap_stages > 1:  # one stage's share stays exposed; the rest hides under the attention kernels
-        a2a = a2a / overlap_stages + max(0.0, a2a * (overlap_stages - 1) / overlap_stages - attention)
+        hidden = min(a2a * (overlap_stages - 1) / overlap_stages, attention)
+    n, rounds = drained_stages
+    if n > 1:  # the drained results hide under the next stage's projections
+        hidden = min(comm_seconds(work, ("a2a_result_forward",), hw) * (n - 1) / n
+                     + comm_seconds(work, ("a2a_result_backward",), hw) * (n - rounds) / n, gemm)
+    a2a -= hidden
     tp = comm_seconds(work, TP_KINDS, hw)
     p2p = comm_seconds(work, ("send",), hw)
     if ring_overlap:
         p2p = max(0.0, p2p - attention)
-    sharding = max(0.0, comm_seconds(work, ("allgather", "reduce_scatter", "allreduce"), hw) - gemm - attention)
+    # the compute that covers all-to-alls does not cover the sharding collectives too (the same links carry both)
+    sharding = max(0.0, comm_seconds(work, ("allgather", "reduce_scatter", "allreduce"), hw) - gemm - attention
+                   + hidden)
     host = host_seconds(work, hw)
     if offload_prefetch:
         host = max(0.0, host - gemm - attention)
