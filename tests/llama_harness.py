@@ -70,7 +70,8 @@ def _forward_step(data_iterator, model):
 
 def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
                clip_grad: float = 1.0, recompute_granularity: str | None = None, mlp_chunks: int = 1,
-               loss_chunks: int = 1, cu_seqlens: torch.Tensor | None = None) -> RunResult:
+               loss_chunks: int = 1, cu_seqlens: torch.Tensor | None = None,
+               residual_grad_in_place: bool = False) -> RunResult:
     """Called on every rank of a job of layout.world_size ranks; returns the same RunResult on every rank.
     cu_seqlens: the documents packed in each sequence (one row per DP rank), passed as megatron's THD
     PackedSeqParams; position ids then restart at each document."""
@@ -89,7 +90,7 @@ def run_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr:
     try:
         config = llama_transformer_config(arch, layout, recompute_granularity=recompute_granularity)
         stage = build_llama(arch, layout, pg, vocab_size=vocab, config=config, mlp_chunks=mlp_chunks,
-                            loss_chunks=loss_chunks)
+                            loss_chunks=loss_chunks, residual_grad_in_place=residual_grad_in_place)
         config = stage.config
         offset = get_transformer_layer_offset(config, pp_rank=pg.pp.rank())
         load_hf_into_model(stage.model, hf_sd, arch, stage.padded_vocab_size, tp_group=pg.tp, layer_offset=offset)

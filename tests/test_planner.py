@@ -29,9 +29,10 @@ CASES = {
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_strategy=upipe", "train.seq_length=512",
         "memory.recompute=full", "memory.upipe_overlap=true", "memory.offload_checkpoints=true",
         "memory.offload_prefetch=true"],
-    "upipe cp 1x2 (a ring of 2, parallel.cp_ring), recompute 1 of 2 layers, tiled MLP": [
+    "upipe cp 1x2 (a ring of 2, parallel.cp_ring), recompute 1 of 2 layers, tiled MLP, residual gradient in place": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_ring=2", "parallel.cp_strategy=upipe",
-        "train.seq_length=512", "memory.recompute=full", "memory.recompute_layers=1", "memory.mlp_chunks=4"],
+        "train.seq_length=512", "memory.recompute=full", "memory.recompute_layers=1", "memory.mlp_chunks=4",
+        "memory.residual_grad_in_place=true"],
     "ulysses cp 1x2, ring passes overlapped (memory.ring_overlap), no recompute": [
         "model.preset=tiny-gqa", "parallel.cp=2", "parallel.cp_ring=2", "parallel.cp_strategy=ulysses",
         "train.seq_length=512", "memory.ring_overlap=true"],

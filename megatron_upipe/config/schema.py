@@ -381,6 +381,10 @@ class MemoryConfig:
     # Sequence chunks of the LM head + vocab-parallel cross-entropy (logits recomputed per chunk in backward, the
     # [s, b, vocab/tp] logits never exist). 1 = off.
     loss_chunks: int = 1
+    # With mlp_chunks > 1: the tiled pre-MLP norm hands the layer its residual and, in backward, adds its input
+    # gradient into the residual path's gradient tile by tile, instead of autograd summing two [s/cp, b, D] tensors
+    # (models/tiled_norm.py). Bit-identical; one [s/cp, b, D] tensor less in each layer's backward.
+    residual_grad_in_place: bool = False
     # Keep each checkpointed layer input (the one tensor full recompute saves per layer) in host memory until that
     # layer's backward: pinned memory on CUDA, copied on a side stream (megatron_upipe.memory_switches). Needs
     # recompute=full.
@@ -454,6 +458,9 @@ class MemoryConfig:
             (self.offload_checkpoints and self.recompute != "full",
              f"memory.offload_checkpoints=true offloads the layer inputs that full recompute saves, but "
              f"memory.recompute={self.recompute}: set memory.recompute=full or memory.offload_checkpoints=false"),
+            (self.residual_grad_in_place and self.mlp_chunks == 1,
+             "memory.residual_grad_in_place=true works in the tiled pre-MLP norm, but memory.mlp_chunks=1: set "
+             "memory.mlp_chunks > 1 (e.g. 8) or memory.residual_grad_in_place=false"),
             (self.offload_prefetch and not self.offload_checkpoints,
              "memory.offload_prefetch=true prefetches offloaded layer inputs, but memory.offload_checkpoints=false: "
              "set memory.offload_checkpoints=true or memory.offload_prefetch=false"),

@@ -153,10 +153,13 @@ def build_llama(
     dtype: torch.dtype = torch.float32, config: TransformerConfig | None = None, mlp_chunks: int = 1,
     loss_chunks: int = 1, offloader=None, attention_grad_accum: str = "fp32", upipe_overlap: bool | str = False,
     ring_overlap: bool = False, attention_kernel: str = "auto", kernel_device=None,
+    residual_grad_in_place: bool = False,
 ) -> LlamaStage:
     """GPTModel of this rank's pipeline stage, with groups from `initialize_parallel(layout)`.
 
     mlp_chunks / loss_chunks: `memory.mlp_chunks` / `memory.loss_chunks` (1 = megatron-core's plain modules).
+    residual_grad_in_place: `memory.residual_grad_in_place`, the tiled pre-MLP norm forms the residual's gradient in
+    place (models/tiled_norm.py; needs mlp_chunks > 1).
     offloader: `memory.offload_checkpoints` - a `megatron_upipe.memory_switches.offload.HostOffloader` (or the memory
     planner's SimulatedHostOffloader) that keeps each checkpointed layer input until its backward; needs the
     config's full recompute. None = off. attention_grad_accum: `memory.attention_grad_accum` of the UPipe/Ulysses op.
@@ -174,8 +177,12 @@ def build_llama(
     plan = build_cp_plan(config, layout, pp_rank=pp_rank, grad_accum=attention_grad_accum,
                          attention_kernel=attention_kernel, kernel_device=kernel_device, overlap=upipe_overlap,
                          ring_overlap=ring_overlap)
+    if residual_grad_in_place and mlp_chunks == 1:
+        raise ValueError("residual_grad_in_place needs the tiled pre-MLP norm: set memory.mlp_chunks > 1 or "
+                         "memory.residual_grad_in_place=false")
     if mlp_chunks > 1:
-        plan = dataclasses.replace(plan, block_spec=with_tiled_mlp_block(plan.block_spec, mlp_chunks))
+        plan = dataclasses.replace(plan, block_spec=with_tiled_mlp_block(plan.block_spec, mlp_chunks,
+                                                                         residual_grad_in_place))
     model_cls, extra = (ChunkedLossGPTModel, {"loss_chunks": loss_chunks}) if loss_chunks > 1 else (GPTModel, {})
     padded = padded_vocab_size(vocab, layout.tp)
     model = model_cls(

@@ -177,16 +177,20 @@ def with_tiled_mlp(layer_spec: ModuleSpec, chunks: int) -> ModuleSpec:
     return spec
 
 
-def with_tiled_mlp_block(block: TransformerBlockSubmodules, chunks: int) -> TransformerBlockSubmodules:
+def with_tiled_mlp_block(block: TransformerBlockSubmodules, chunks: int,
+                         residual_grad: bool = False) -> TransformerBlockSubmodules:
     """The block spec with every layer's MLP tiled into `chunks` sequence tiles, and its RMSNorms (input,
-    pre-MLP, final) replaced by `TiledRMSNorm`, which saves only its input (see tiled_norm.py)."""
+    pre-MLP, final) replaced by `TiledRMSNorm`, which saves only its input (see tiled_norm.py); with
+    `residual_grad` (memory.residual_grad_in_place) the pre-MLP norm also hands the layer its residual and forms the
+    residual's gradient in place."""
     norm = partial(TiledRMSNorm, chunks=chunks)
     layers = []
     for layer_spec in block.layer_specs:
         spec = with_tiled_mlp(layer_spec, chunks)
         for name in ("input_layernorm", "pre_mlp_layernorm"):
             if getattr(spec.submodules, name) is RMSNorm:
-                setattr(spec.submodules, name, norm)
+                pre_mlp = residual_grad and name == "pre_mlp_layernorm"
+                setattr(spec.submodules, name, partial(norm, residual_grad=pre_mlp))
         layers.append(spec)
     return dataclasses.replace(
         block, layer_specs=layers, layer_norm=norm if block.layer_norm is RMSNorm else block.layer_norm

@@ -129,6 +129,7 @@ def memory_switches(config: Config, plan: Plan, bf16: bool, offloader_cls=HostOf
     pool = offload_pool_bytes(config, plan, 2 if bf16 else 4, pp_rank)
     return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks, "attention_grad_accum": m.attention_grad_accum,
             "upipe_overlap": m.upipe_overlap, "ring_overlap": m.ring_overlap,
+            "residual_grad_in_place": m.residual_grad_in_place,
             "offloader": offloader_cls(pool_bytes=pool, prefetch_ahead=m.offload_prefetch) if m.offload_checkpoints
             else None}
 
