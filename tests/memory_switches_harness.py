@@ -32,6 +32,7 @@ class MemoryRunResult:
     host_reserved: tuple = ()  # per step: host bytes the offloader holds after it (a pool: all of it, always)
     pool_misses: int = 0  # copies that found no room in the offloader's pool
     grad_norms: tuple = ()  # per step: the global gradient norm the optimizer computed (before clipping)
+    disk: tuple = ()  # the offloader's disk tier: (peak bytes, bytes alive at the end, bytes written, bytes read)
 
 
 def portable(result: MemoryRunResult) -> MemoryRunResult:
@@ -135,6 +136,13 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         return MemoryRunResult(losses, grads, peaks, probe["device"], probe["host"],
                                offloader.peak_bytes if offloader else 0, offloader.live_bytes if offloader else 0,
                                state, dtypes, tuple(reserved), offloader.ledger.pool_misses if offloader else 0,
-                               tuple(norms))
+                               tuple(norms), _disk(offloader))
     finally:
         destroy_parallel()
+
+
+def _disk(offloader) -> tuple:
+    if offloader is None:
+        return ()
+    led = offloader.ledger
+    return led.disk_peak_bytes, led.disk_live_bytes, led.disk_written_bytes, led.disk_read_bytes

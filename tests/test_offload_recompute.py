@@ -6,7 +6,9 @@ same HF-named weights and batch:
 - cp2 UPipe: plain, full recompute + offload;
 - pp2 (1F1B, 2 micro-batches): plain, full recompute + offload;
 - dp2 and pp2 also with the copy back prefetched one layer ahead (memory.offload_prefetch);
-- dp2 recomputing only the first 2 of the 4 layers (memory.recompute_layers), without and with offload.
+- dp2 recomputing only the first 2 of the 4 layers (memory.recompute_layers), without and with offload;
+- dp2 with the first 2 layer inputs on the disk tier (memory.offload_disk_layers: files in a temporary directory),
+  without and with prefetch.
 Checked: loss and every parameter gradient bit-identical to the plain run of the same layout (recompute replays the
 same ops in the same order; offload is a copy); the offloader's ledger holds exactly num_layers x [s/cp, b, D]
 float32 bytes after the forward and nothing after the step; the tracked device memory after the forward is lower by
@@ -18,6 +20,9 @@ process-free check that the offloader keeps its host copies out of a device trac
 """
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 import torch
@@ -33,6 +38,8 @@ VARIANTS = {  # name -> (layout kwargs, recompute, offload)
     "dp2+recompute+offload+prefetch": (dict(dp=2), True, "prefetch"),
     "dp2+recompute 2 of 4": (dict(dp=2), 2, False),  # memory.recompute_layers=2: megatron-core's block method
     "dp2+recompute 2 of 4+offload+prefetch": (dict(dp=2), 2, "prefetch"),
+    "dp2+recompute+offload, 2 to disk": (dict(dp=2), True, "disk"),  # memory.offload_disk_layers=2
+    "dp2+recompute+offload+prefetch, 2 to disk": (dict(dp=2), True, "disk+prefetch"),
     "cp2-upipe": (dict(cp=2, cp_strategy="upipe"), False, False),
     "cp2-upipe+recompute+offload": (dict(cp=2, cp_strategy="upipe"), True, True),
     "pp2": (dict(pp=2), False, False),  # 1F1B over 2 micro-batches: stage 0 holds both in flight
@@ -42,9 +49,15 @@ VARIANTS = {  # name -> (layout kwargs, recompute, offload)
 MICRO = {"pp2": 2, "pp2+recompute+offload": 2, "pp2+recompute+offload+prefetch": 2}
 
 
-def _offload(off):
+DISK = 2  # layer inputs the disk variants write to files
+
+
+def _offload(off, disk_dir: str):
     from megatron_upipe.memory_switches.offload import HostOffloader
 
+    if isinstance(off, str) and off.startswith("disk"):
+        return lambda pp_rank: HostOffloader(prefetch_ahead=off.endswith("prefetch"), disk_dir=disk_dir,
+                                             disk_layers=DISK)
     return (lambda pp_rank: HostOffloader(prefetch_ahead=True)) if off == "prefetch" else off
 
 
@@ -57,10 +70,12 @@ def _job(rank, world_size):
     arch = get_preset("tiny-gqa").replace(num_layers=LAYERS)
     hf_sd = random_hf_state_dict(arch, VOCAB, seed=0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    out = {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec,
-                                            offload=_offload(off),
-                                            num_microbatches=MICRO.get(name, 1)))
-           for name, (kw, rec, off) in VARIANTS.items()}
+    with tempfile.TemporaryDirectory() as disk_dir:
+        out = {name: portable(run_memory_layout(ParallelLayout(**kw), arch, hf_sd, tokens, recompute=rec,
+                                                offload=_offload(off, disk_dir),
+                                                num_microbatches=MICRO.get(name, 1)))
+               for name, (kw, rec, off) in VARIANTS.items()}
+        out["disk dir left"] = os.listdir(disk_dir)
     out["fake"] = _fake_runs(arch)
     return out
 
@@ -116,7 +131,9 @@ def test_losses_and_gradients_bit_identical(results):
 
     for per_rank in results:
         for plain, others in (("dp2", ["dp2+recompute", "dp2+recompute+offload", "dp2+recompute+offload+prefetch",
-                                       "dp2+recompute 2 of 4", "dp2+recompute 2 of 4+offload+prefetch"]),
+                                       "dp2+recompute 2 of 4", "dp2+recompute 2 of 4+offload+prefetch",
+                                       "dp2+recompute+offload, 2 to disk",
+                                       "dp2+recompute+offload+prefetch, 2 to disk"]),
                               ("cp2-upipe", ["cp2-upipe+recompute+offload"]),
                               ("pp2", ["pp2+recompute+offload", "pp2+recompute+offload+prefetch"])):
             ref = per_rank[plain]
@@ -138,6 +155,8 @@ def test_host_ledger_holds_exactly_the_layer_inputs(results):
         for name, (kw, rec, off) in VARIANTS.items():
             r = per_rank[name]
             layers = LAYERS if rec is True else rec  # only the recomputed layers' inputs are offloaded
+            if isinstance(off, str) and off.startswith("disk"):  # the first DISK of them go to files instead
+                layers -= DISK
             expected = layers * _layer_input_bytes(kw) if off else 0
             if name.startswith("pp2+"):  # L/2 layers per stage; the first forward of mb=1 of 2 rows
                 expected = LAYERS // 2 * _layer_input_bytes(dict(dp=2))
@@ -168,6 +187,21 @@ def test_device_memory_drops_by_the_offloaded_inputs(results):
         # recompute itself lowers the peak (sanity of the measurement)
         assert per_rank["dp2+recompute"].device_peak[0] < per_rank["dp2"].device_peak[0]
         assert per_rank["cp2-upipe+recompute+offload"].device_peak[0] < per_rank["cp2-upipe"].device_peak[0]
+
+
+def test_disk_tier_holds_the_first_layers_and_the_device_sees_no_difference(results):
+    """The first DISK layer inputs of the forward go to files (written once, read once, freed at the end, no file
+    left behind); the device holds exactly what the host-only offload holds, with and without prefetch."""
+    one = _layer_input_bytes(dict(dp=2))
+    for per_rank in results:
+        assert per_rank["disk dir left"] == []
+        for disk, host in (("dp2+recompute+offload, 2 to disk", "dp2+recompute+offload"),
+                           ("dp2+recompute+offload+prefetch, 2 to disk", "dp2+recompute+offload+prefetch")):
+            d, h = per_rank[disk], per_rank[host]
+            assert d.disk == (DISK * one, 0, DISK * one, DISK * one), (disk, d.disk)
+            assert h.disk == (0, 0, 0, 0)
+            assert d.device_peak == h.device_peak and d.device_after_forward == h.device_after_forward, disk
+            assert h.host_peak - d.host_peak == DISK * one
 
 
 def test_on_fake_tensors_the_ledger_and_device_peak_are_the_same(results):

@@ -394,6 +394,14 @@ class MemoryConfig:
     # Same results bit for bit; costs one more layer input [s/cp, b, D] on the device during the backward, which the
     # memory planner counts (6 GiB per GPU for Llama3-8B at 6M tokens on 8) and the step-time model prices.
     offload_prefetch: bool = False
+    # With offload_checkpoints: the first N checkpointed layer inputs of each forward (the ones kept longest) go to
+    # files under offload_disk_dir instead of host memory (a local NVMe volume, e.g. /raid on a DGX), read back at
+    # their layer's backward (prefetched with offload_prefetch); the host pool shrinks by N layer inputs. Same
+    # results bit for bit. The start-up check needs N layer inputs of free space there; the step-time model prices
+    # the writes and reads on the critical path. 0 = off.
+    offload_disk_layers: int = 0
+    # The directory of that disk tier (each copy an unlinked temporary file: nothing is left when the job ends).
+    offload_disk_dir: str | None = None
     # UPipe/Ulysses backward accumulates dx over head stages and dK/dV over a KV round in float32 ("fp32": one
     # rounding at the end, as one fused projection GEMM would) or in the activations' 16-bit dtype ("input": the two
     # largest attention-backward buffers at half size, one rounding per stage).
@@ -461,6 +469,14 @@ class MemoryConfig:
             (self.residual_grad_in_place and self.mlp_chunks == 1,
              "memory.residual_grad_in_place=true works in the tiled pre-MLP norm, but memory.mlp_chunks=1: set "
              "memory.mlp_chunks > 1 (e.g. 8) or memory.residual_grad_in_place=false"),
+            (self.offload_disk_layers < 0,
+             f"memory.offload_disk_layers={self.offload_disk_layers} must be 0 (off) or positive"),
+            (self.offload_disk_layers > 0 and not self.offload_checkpoints,
+             f"memory.offload_disk_layers={self.offload_disk_layers} moves offloaded layer inputs to disk, but "
+             "memory.offload_checkpoints=false: set memory.offload_checkpoints=true or memory.offload_disk_layers=0"),
+            (self.offload_disk_layers > 0 and self.offload_disk_dir is None,
+             f"memory.offload_disk_layers={self.offload_disk_layers} needs memory.offload_disk_dir: set it to a "
+             "directory on a local disk (e.g. /raid/upipe) or memory.offload_disk_layers=0"),
             (self.offload_prefetch and not self.offload_checkpoints,
              "memory.offload_prefetch=true prefetches offloaded layer inputs, but memory.offload_checkpoints=false: "
              "set memory.offload_checkpoints=true or memory.offload_prefetch=false"),

@@ -145,6 +145,15 @@ def check_pipeline(config: Config, arch: LlamaArch, n_micro: int, errors: list[s
     elif p.pp > 1 and 0 < n_micro < p.pp:
         warnings.append(f"parallel.pp={p.pp} with only {n_micro} micro-batch(es) per step leaves the pipeline "
                         f"mostly idle: raise train.global_batch_size")
+    disk = config.memory.offload_disk_layers
+    if disk and p.pp > 1:
+        errors.append(f"memory.offload_disk_layers={disk} is planned for one pipeline stage (each forward's first "
+                      f"layers go to disk while the pool is empty), but parallel.pp={p.pp}: set "
+                      f"memory.offload_disk_layers=0 or parallel.pp=1")
+    offloaded = min(arch.num_layers // p.pp, config.memory.recompute_layers or arch.num_layers)
+    if disk > offloaded:
+        errors.append(f"memory.offload_disk_layers={disk} exceeds the {offloaded} layer inputs a rank offloads: set "
+                      f"it to {offloaded} or less")
     n = config.memory.recompute_layers
     if n is not None and not arch.num_layers % p.pp and n > arch.num_layers // p.pp:
         errors.append(f"memory.recompute_layers={n} exceeds the {arch.num_layers // p.pp} layers of a pipeline stage: "

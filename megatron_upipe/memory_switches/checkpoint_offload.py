@@ -19,6 +19,9 @@ With the offloader's `prefetch_ahead` (memory.offload_prefetch), unpacking layer
 of layer i-1's (the next backward's, in this block's forward): it travels while layer i recomputes and
 back-propagates, at the cost of one more layer input [s/cp, b, D] alive on the device.
 
+With the offloader's `disk_layers` = N (memory.offload_disk_layers), the first N layer inputs of each forward of the
+block go to its disk tier instead (`to_host(t, disk=True)`): they stay offloaded longest.
+
 A pack call that is not the remembered layer input means megatron-core changed what it saves: it raises instead of
 offloading the wrong tensor. The recompute in backward runs with grad enabled and outside the armed window, so it is
 untouched. Works the same on fake tensors (the memory planner) and with any offloader that has `to_host`/`to_device`.
@@ -48,6 +51,7 @@ class CheckpointOffload:
         self._armed = False
         self._pending: torch.Tensor | None = None  # the input of the layer being checkpointed now
         self._last = None  # weakref to the HostCopy of the previous layer's input in this block's forward
+        self._packed = 0  # layer inputs offloaded in this block's forward so far
         self._hooks: saved_tensors_hooks | None = None  # pushed between a layer's end and megatron's save
         self._handles = [
             block.register_forward_pre_hook(self._block_pre),
@@ -68,7 +72,7 @@ class CheckpointOffload:
     # --- module hooks -------------------------------------------------------------------------------------------
     def _block_pre(self, block, args) -> None:
         self._armed = block.training and torch.is_grad_enabled()
-        self._pending, self._last = None, None
+        self._pending, self._last, self._packed = None, None, 0
 
     def _block_post(self, block, args, output) -> None:
         self._pop()
@@ -94,7 +98,8 @@ class CheckpointOffload:
             )
         self._pending = None
         self._pop()  # the remaining saved tensors (RoPE angles, shared by all layers) stay where they are
-        copy = self.offloader.to_host(t)
+        copy = self.offloader.to_host(t, disk=self._packed < getattr(self.offloader, "disk_layers", 0))
+        self._packed += 1
         copy.before, self._last = self._last, weakref.ref(copy)
         return copy
 

@@ -8,7 +8,8 @@ Per rank (`HostPlan.breakdown`):
   offload pool        memory.offload_checkpoints: the one host buffer of the offloader (pinned_pool.HostPool), exactly
                       the layer inputs alive at once: L x micro-batches in flight (1 without pipelining; the 1F1B
                       schedule keeps min(pp - stage, micro-batches) on a stage) x [s/C (/tp with sequence
-                      parallelism), b, D] in the activation dtype, each range rounded up to pinned_pool.ALIGN.
+                      parallelism), b, D] in the activation dtype, each range rounded up to pinned_pool.ALIGN;
+                      memory.offload_disk_layers = N of them go to disk instead (N fewer in the pool; disk_bytes).
   checkpoint staging  checkpoint.dir set: a save first copies this rank's model states to host memory
                       (training/checkpointing.py):
                       - "fsdp_per_rank" (memory.shard_model_states): `.cpu()` copies of the local buffer slices
@@ -107,7 +108,33 @@ def offload_pool_bytes(config: "Config", plan: "Plan", dtype_bytes: int, pp_rank
     """The offload pool of a rank of stage `pp_rank` (0 without memory.offload_checkpoints); see the docstring."""
     if not config.memory.offload_checkpoints:
         return 0
-    return layers_in_flight(config, plan, pp_rank) * aligned(layer_input_bytes(config, plan, dtype_bytes))
+    layers = layers_in_flight(config, plan, pp_rank) - config.memory.offload_disk_layers
+    return layers * aligned(layer_input_bytes(config, plan, dtype_bytes))
+
+
+def disk_bytes(config: "Config", plan: "Plan", dtype_bytes: int) -> int:
+    """Bytes a rank keeps on the disk tier at once (memory.offload_disk_layers layer inputs)."""
+    return config.memory.offload_disk_layers * layer_input_bytes(config, plan, dtype_bytes)
+
+
+def disk_refusal(config: "Config", plan: "Plan", *, bf16: bool, world_size: int) -> str | None:
+    """The start-up check of the disk tier (every rank, before anything is written): the one-line error when
+    memory.offload_disk_dir is missing, not writable, or has less free space than this node's ranks keep there."""
+    import shutil
+
+    need = disk_bytes(config, plan, 2 if bf16 else 4) * ranks_on_this_node(world_size)
+    if need == 0:
+        return None
+    where = config.memory.offload_disk_dir
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        return (f"memory.offload_disk_dir={where} is not a writable directory: create it on a local disk (e.g. "
+                f"/raid/upipe) or set memory.offload_disk_layers=0")
+    free = shutil.disk_usage(where).free
+    if free < need:
+        return (f"memory.offload_disk_dir={where} has {free / GIB:.1f} GiB free but this node's ranks keep "
+                f"{need / GIB:.1f} GiB there (memory.offload_disk_layers={config.memory.offload_disk_layers}): free "
+                f"space there or lower memory.offload_disk_layers")
+    return None
 
 
 def stage_weight_numels(config: "Config", plan: "Plan", vocab_size: int, pp_rank: int = 0) -> list[int]:
@@ -253,7 +280,8 @@ def node_verdict(host: HostPlan, node: NodeMemory, gpu_nodes: list[int] | str) -
 def host_memory_refusal(config: "Config", plan: "Plan", vocab_size: int, *, bf16: bool, device,
                         world_size: int, notes: list | None = None, root: Path = Path("/")) -> str | None:
     """The start-up check (every rank, before the model or the pinned pool is allocated): None when the host plan
-    fits on every node (as a whole and per NUMA node), else the one-line error; the start-up line goes to `notes`.
+    fits on every node (as a whole and per NUMA node) and the disk tier has room (`disk_refusal`), else the one-line
+    error; the start-up line goes to `notes`.
     One all-reduce, so every rank reaches the same verdict. `root`: where /proc and /sys are read (tests)."""
     import torch
     import torch.distributed as dist
@@ -266,6 +294,7 @@ def host_memory_refusal(config: "Config", plan: "Plan", vocab_size: int, *, bf16
     if cuda and isinstance(gpus, str) and gpus == "no CUDA device":
         gpus = f"fewer visible CUDA devices than the {local} local ranks"
     refusal, line = node_verdict(host, node, gpus)
+    refusal = refusal or disk_refusal(config, plan, bf16=bf16, world_size=world_size)
     if notes is not None:
         notes.append(line)
     everywhere = refusal is None

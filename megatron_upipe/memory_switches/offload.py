@@ -34,6 +34,16 @@ checkpoint_offload.py) calls `prefetch` on the copy it will need next, so the co
 device holds that copy from the prefetch on: one more tensor alive, which the memory planner sees because the
 simulated offloader allocates it at the same moment.
 
+Disk tier (`HostOffloader(disk_dir=D, disk_layers=N)`, memory.offload_disk_dir / offload_disk_layers): `to_host(t,
+disk=True)` writes the tensor's bytes to an unlinked file under D (disk_file.py) instead of keeping them in host
+memory, and `to_device` / `prefetch` read them back. A CUDA tensor is staged through a pool range (the pool is
+empty when the first layers' inputs go out and when they come back last, so the plan needs no extra range): copied
+to it on the side stream, waited for, written; read into a range, then copied up as any host copy (the range
+fenced until that copy is done). The write and the read block the calling thread (seconds per layer input at 8M
+tokens, minutes of attention per layer: priced on the critical path by the step-time model). The ledger counts
+the bytes on disk (`disk_live_bytes`, `disk_peak_bytes`) and the bytes written and read. checkpoint_offload.py
+sends the first N layer inputs of each forward there: they are the ones kept longest.
+
 For the memory planner: the ledger is the host side; device memory is whatever its tracker sees. To simulate
 without copying (e.g. at full scale under FakeTensorMode), swap in `SimulatedHostOffloader(pool_bytes=N)`, which
 keeps only shape, dtype and device, runs the same range allocator over no memory, counts the same bytes (the pool
@@ -49,6 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from megatron_upipe.memory_switches.disk_file import DiskFile
 from megatron_upipe.memory_switches.pinned_pool import HostPool, Range, RangeAllocator, _size
 
 log = logging.getLogger(__name__)
@@ -85,6 +96,15 @@ class HostLedger:
     total_copies: int = 0  # to_host calls since creation
     pool_misses: int = 0  # copies that found no room in the pool (and went to pageable memory beside it)
     returned_bytes: int = 0  # bytes copied back to the device (to_device or prefetch) since creation
+    disk_live_bytes: int = 0  # bytes of the copies on disk alive now
+    disk_peak_bytes: int = 0
+    disk_written_bytes: int = 0  # since creation
+    disk_read_bytes: int = 0
+
+    def disk_add(self, nbytes: int) -> None:
+        self.disk_live_bytes += nbytes
+        self.disk_written_bytes += nbytes
+        self.disk_peak_bytes = max(self.disk_peak_bytes, self.disk_live_bytes)
 
     def reserve(self, nbytes: int) -> None:
         self.reserved_bytes += nbytes
@@ -108,13 +128,14 @@ class HostCopy:
     and its pool range."""
 
     __slots__ = ("host", "shape", "dtype", "device", "nbytes", "pinned", "event", "slot", "prefetched", "before",
-                 "__weakref__")
+                 "disk", "__weakref__")
 
     def __init__(self, host, shape, dtype, device, nbytes, pinned=False, event=None, slot: Range | None = None):
         self.host, self.shape, self.dtype, self.device = host, shape, dtype, device
         self.nbytes, self.pinned, self.event, self.slot = nbytes, pinned, event, slot
         self.prefetched = None  # (device tensor, CUDA event or None) made by HostOffloader.prefetch, until used
         self.before = None  # weakref to the copy its user needs next (checkpoint_offload: the previous layer's)
+        self.disk = None  # (DiskFile or None when simulated,) for a copy on the disk tier; host is then None
 
 
 class _OffsetsOnly:
@@ -140,11 +161,17 @@ class _OffsetsOnly:
 class HostOffloader:
     """Copies tensors to host memory and back, counting the host bytes alive (see the module docstring)."""
 
-    def __init__(self, pool_bytes: int | None = None, pin: bool = True, prefetch_ahead: bool = False) -> None:
+    def __init__(self, pool_bytes: int | None = None, pin: bool = True, prefetch_ahead: bool = False,
+                 disk_dir: str | None = None, disk_layers: int = 0) -> None:
         """pool_bytes: the host bytes of the offloaded tensors alive at once (host_budget.offload_pool_bytes), held
         as one buffer allocated now; None: one host allocation per copy (the unpooled reference). pin: pin the
         pool (CUDA only; False keeps it pageable). prefetch_ahead: the offloader's user should prefetch each copy
-        one use ahead (memory.offload_prefetch; read by checkpoint_offload.py)."""
+        one use ahead (memory.offload_prefetch; read by checkpoint_offload.py). disk_dir: where `to_host(t,
+        disk=True)` writes; disk_layers: how many layer inputs of each forward its user sends there
+        (memory.offload_disk_layers; read by checkpoint_offload.py)."""
+        if disk_layers and disk_dir is None:
+            raise ValueError(f"disk_layers={disk_layers} needs disk_dir (memory.offload_disk_dir)")
+        self.disk_dir, self.disk_layers = disk_dir, disk_layers
         self.ledger = HostLedger()
         self.pool = None if pool_bytes is None else self._make_pool(pool_bytes, pin)
         if self.pool is not None:
@@ -176,9 +203,12 @@ class HostOffloader:
         self.ledger.peak_bytes = self.ledger.live_bytes
         self.ledger.reserved_peak_bytes = self.ledger.reserved_bytes
 
-    def to_host(self, t: torch.Tensor) -> HostCopy:
+    def to_host(self, t: torch.Tensor, disk: bool = False) -> HostCopy:
+        """t's copy in host memory, or with `disk` in a file of the disk tier."""
+        if disk:
+            return self._to_disk(t)
         nbytes = storage_bytes(t)
-        slot, host = self._take(nbytes, t)
+        slot, host = self._take(nbytes, t.dtype, t.shape)
         if _is_fake(t):  # shapes only (planning): a fake copy; a pool range is still taken above
             with _disable_current_modes():
                 host = t.detach().clone(memory_format=torch.contiguous_format)
@@ -196,6 +226,9 @@ class HostOffloader:
         return self._register(HostCopy(host, t.shape, t.dtype, t.device, nbytes, pinned, event, slot), reserved)
 
     def to_device(self, copy: HostCopy) -> torch.Tensor:
+        if copy.disk is not None and copy.prefetched is None:
+            out, _ = self._from_disk(copy, prefetch=False)
+            return out
         if copy.prefetched is not None:
             (out, event), copy.prefetched = copy.prefetched, None
             if event is not None:  # CUDA: the prefetch stream's copy is done before the current stream reads it
@@ -213,6 +246,9 @@ class HostOffloader:
         device tensor exists from now on (a tracker counts it from here). A second call before the use is a no-op."""
         if copy.prefetched is not None:
             return
+        if copy.disk is not None:
+            copy.prefetched = self._from_disk(copy, prefetch=True)
+            return
         self.ledger.returned_bytes += copy.nbytes
         if _on_real_cuda(copy):
             copy.prefetched = self._cuda_prefetch(copy)
@@ -222,16 +258,72 @@ class HostOffloader:
     def _plain_to_device(self, copy: HostCopy) -> torch.Tensor:
         return copy.host.clone()  # a new device-side tensor: counted by a tracker like any activation
 
-    def _take(self, nbytes: int, t: torch.Tensor):
-        """(pool range, tensor over it) for a copy of `t`, or (None, None): no pool, or no room in it."""
+    # --- disk tier ----------------------------------------------------------------------------------------------
+    def _to_disk(self, t: torch.Tensor) -> HostCopy:
+        nbytes = storage_bytes(t)
+        copy = HostCopy(None, t.shape, t.dtype, t.device, nbytes)
+        copy.disk = (self._write_disk(t),)
+        self.ledger.disk_add(nbytes)
+        weakref.finalize(copy, self._release_disk, nbytes, copy.disk[0])
+        return copy
+
+    def _write_disk(self, t: torch.Tensor) -> DiskFile | None:
+        """A file holding t's bytes (None for a fake tensor: planning)."""
+        if self.disk_dir is None:
+            raise ValueError("to_host(disk=True) needs the offloader's disk_dir (memory.offload_disk_dir)")
+        if _is_fake(t):
+            return None
+        f = DiskFile(self.disk_dir)
+        if t.device.type == "cuda":  # staged through a pool range (or pinned / pageable memory beside the pool)
+            staged = self.to_host(t)
+            if staged.event is not None:
+                staged.event.synchronize()
+            f.write(staged.host)
+            del staged  # its range goes back to the pool
+        else:
+            with _disable_current_modes():
+                f.write(t.detach().contiguous())
+        return f
+
+    def _release_disk(self, nbytes: int, f: DiskFile | None) -> None:
+        self.ledger.disk_live_bytes -= nbytes
+        if f is not None:
+            f.close()
+
+    def _from_disk(self, copy: HostCopy, prefetch: bool):
+        """A disk copy back on its device: (tensor, CUDA event when prefetched on the side stream, else None)."""
+        self.ledger.returned_bytes += copy.nbytes
+        self.ledger.disk_read_bytes += copy.nbytes
+        f = copy.disk[0]
+        if f is None:  # planning: shapes only
+            return torch.empty(copy.shape, dtype=copy.dtype, device=copy.device), None
+        if copy.device.type != "cuda":
+            out = torch.empty(copy.shape, dtype=copy.dtype, device=copy.device)  # counted like any device tensor
+            with _disable_current_modes():
+                f.read_into(out)
+            return out, None
+        slot, host = self._take(copy.nbytes, copy.dtype, copy.shape)
+        pinned = slot is not None and self.pool.pinned
+        if host is None:
+            host = torch.empty(copy.shape, dtype=copy.dtype, device="cpu")
+        f.read_into(host)
+        staged = self._register(HostCopy(host, copy.shape, copy.dtype, copy.device, copy.nbytes, pinned, None, slot),
+                                0 if slot is not None else copy.nbytes)
+        if prefetch:
+            return self._cuda_prefetch(staged)
+        return self._cuda_to_device(staged), None  # the range is fenced until this copy is done
+
+    def _take(self, nbytes: int, dtype: torch.dtype, shape):
+        """(pool range, tensor over it) for a copy of a tensor of `dtype`/`shape`, or (None, None): no pool, or no
+        room in it."""
         if self.pool is None:
             return None, None
-        got = self.pool.take(nbytes, t.dtype, t.shape)
+        got = self.pool.take(nbytes, dtype, shape)
         if got is None:
             self.ledger.pool_misses += 1
             if self.ledger.pool_misses == 1:
                 log.warning(f"host offload pool ({_size(self.pool.nbytes)}, {self.ledger.live_copies} "
-                            f"copies alive) has no room for a {tuple(t.shape)} {t.dtype} tensor: it and any later "
+                            f"copies alive) has no room for a {tuple(shape)} {dtype} tensor: it and any later "
                             f"misses go to pageable memory beside the pool (the pool's plan, "
                             f"host_budget.offload_pool_bytes, missed them)")
             return None, None
@@ -308,11 +400,16 @@ class SimulatedHostOffloader(HostOffloader):
     def _make_pool(self, nbytes: int, pin: bool):
         return _OffsetsOnly(nbytes)
 
-    def to_host(self, t: torch.Tensor) -> HostCopy:
+    def to_host(self, t: torch.Tensor, disk: bool = False) -> HostCopy:
+        if disk:
+            return self._to_disk(t)
         nbytes = storage_bytes(t)
-        slot, _ = self._take(nbytes, t)
+        slot, _ = self._take(nbytes, t.dtype, t.shape)
         return self._register(HostCopy(None, t.shape, t.dtype, t.device, nbytes, slot=slot),
                               0 if slot is not None else nbytes)
+
+    def _write_disk(self, t: torch.Tensor) -> None:
+        return None
 
     def _plain_to_device(self, copy: HostCopy) -> torch.Tensor:
         return torch.empty(copy.shape, dtype=copy.dtype, device=copy.device)

@@ -17,6 +17,12 @@ Three simulations, at (N, K) = (a, 2), (a + 1, 2) and (a, 3), give q(N, K) = q(a
 Two kept layers at least, so that the peak sits in the kept layers in all three (with one, the recomputed layer's
 own backward can be as large).
 
+The disk tier (memory.offload_disk_layers = n) is not a per-layer quantity: the first n layer inputs of each forward
+go to files instead of the host pool, and the device sees no difference (tests/test_offload_recompute.py). A deep
+step with it is extrapolated from shallow simulations without it (whose depth may be below n), then the pool is
+n layer inputs smaller and n are written and read per micro-batch (`_with_disk`; tests/test_disk_tier.py checks it
+against the full simulation).
+
 Legend: L layers per stage of the planned config (model.num_layers / parallel.pp).
 """
 
@@ -99,6 +105,10 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     three simulations of two kinds of layer (module docstring)."""
     depth = layers_per_stage(config, world_size)
     m = config.memory
+    if m.offload_disk_layers and depth > base_depth + 2:  # extrapolated without the disk tier, then moved to it
+        plain = dataclasses.replace(config, memory=dataclasses.replace(m, offload_disk_layers=0))
+        return _with_disk(simulate_deep(plain, world_size, vocab_size, named_bytes, base_depth, jobs, memo), config,
+                          world_size)
     if m.recompute_layers is not None and m.recompute_layers < depth:
         return _simulate_two_kinds(config, world_size, vocab_size, named_bytes, base_depth, jobs, depth, memo)
     config = with_depth(config, depth)  # recompute_layers >= depth: every layer, as null
@@ -112,6 +122,20 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     shallow, deeper = simulations([(with_depth(config, a), world_size, vocab_size, 0),
                                    (with_depth(config, b), world_size, vocab_size, named_bytes)], jobs, memo)
     return extrapolate(shallow, deeper, a, b, depth)
+
+
+def _with_disk(step: StepMemory, config: Config, world_size: int) -> StepMemory:
+    """`step` (planned without the disk tier) with memory.offload_disk_layers layer inputs moved to it."""
+    from megatron_upipe.memory_switches.host_budget import layer_input_bytes
+    from megatron_upipe.memory_switches.pinned_pool import aligned
+
+    plan = validate(config, world_size)
+    one = layer_input_bytes(config, plan, 2 if config.train.bf16 is not False else 4)
+    n, work = config.memory.offload_disk_layers, dict(step.work or {})
+    moved = n * one * plan.num_microbatches
+    work["bytes:disk_write"] = work.get("bytes:disk_write", 0) + moved
+    work["bytes:disk_read"] = work.get("bytes:disk_read", 0) + moved
+    return dataclasses.replace(step, host_peak_bytes=step.host_peak_bytes - n * aligned(one), work=work)
 
 
 def _simulate_two_kinds(config: Config, world_size: int, vocab_size: int, named_bytes: int, base_depth: int,

@@ -398,10 +398,14 @@ def _memory_kwargs(config: Config, plan, bf16: bool) -> dict:
 
 
 def _offload_work(stage) -> dict:
-    """The offloaded layer inputs' copies back to the device in the step (bytes:host_to_device, for the step-time
-    model); none without offload."""
+    """The offloaded layer inputs' copies back to the device in the step (bytes:host_to_device) and the disk tier's
+    writes and reads (bytes:disk_write, bytes:disk_read), for the step-time model; none without offload."""
     offloader = getattr(stage, "offloader", None)
-    return {} if offloader is None else {"bytes:host_to_device": offloader.ledger.returned_bytes}
+    if offloader is None:
+        return {}
+    ledger = offloader.ledger
+    return {"bytes:host_to_device": ledger.returned_bytes, "bytes:disk_write": ledger.disk_written_bytes,
+            "bytes:disk_read": ledger.disk_read_bytes}
 
 
 def _host_peak(stage) -> int:

@@ -30,7 +30,9 @@ all-gathers, reduce-scatters and all-reduces overlap with compute and cost only 
 already covering hidden all-to-alls). The offloaded layer
 inputs' copies back to the device (`bytes:host_to_device`, from the offloader's ledger) are on the critical path:
 bytes / host link bandwidth, each before its layer's recompute; with `memory.offload_prefetch` they run during the
-next layer's backward and cost only what exceeds the compute. Not modelled: memory-bound element-wise work (norms,
+next layer's backward and cost only what exceeds the compute. The disk tier's writes and reads
+(memory.offload_disk_layers; `bytes:disk_write`, `bytes:disk_read` from the ledger) block the training thread:
+on the critical path, bytes / disk bandwidth, prefetched or not. Not modelled: memory-bound element-wise work (norms,
 RoPE, SwiGLU, softmax of the loss, accumulations: absorbed by the calibrated GEMM efficiency), the offload copies
 to the host (on a side stream during the forward, which waits for none of them), the optimizer step,
 kernel-efficiency loss of small per-stage calls (measured on an H200 at C = 1: 1.2% at U = 16 and 7.8% at U = 1 for
@@ -147,6 +149,7 @@ class Hardware:
     ib_bytes_per_s: float  # ... across nodes (its share of the node's InfiniBand)
     latency_s: float  # per collective call
     host_bytes_per_s: float  # host -> device bytes per second of one GPU from pinned memory (PCIe)
+    disk_bytes_per_s: float = 3e9  # one GPU's share of the node's local NVMe volume, writing or reading
     gemm_efficiency: float = 0.6  # achieved / peak on the step's GEMMs (element-wise work absorbed)
     attention_efficiency: float = 0.6  # achieved / peak in the attention kernels
     source: str = ""
@@ -157,7 +160,9 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
              source="H100 SXM5 datasheet: 989.4 TFLOP/s dense bf16; NVLink 4 450 GB/s per direction, of which NCCL's "
                     "all-to-all reaches about 80% (stated, not measured here); 8 x 400 Gb/s NDR InfiniBand per node "
                     "(50 GB/s per GPU, 90% reached); 30 us per collective call; PCIe Gen5 x16 64 GB/s per direction, "
-                    "of which a pinned copy reaches about 80% (stated, not measured here). Efficiencies fitted by "
+                    "of which a pinned copy reaches about 80% (stated, not measured here); the local NVMe volume "
+                    "(8 x 3.84 TB U.2, RAID-0) writes about 25 GB/s, 3 GB/s per GPU (stated from the drives' "
+                    "sequential write, not measured; could be half that). Efficiencies fitted by "
                     "tools/step_time_report.py to the paper's Ulysses column (its FA3 kernel and stack; "
                     "examples/plans/step_time_llama3_8b_8xh100.json)"),
     Hardware("h200", 989.4e12, 360e9, 45e9, 30e-6, 50e9, gemm_efficiency=0.70, attention_efficiency=0.33,
@@ -172,7 +177,7 @@ class StepTime:
     seconds: float
     tokens_per_s_per_gpu: float
     parts: dict[str, float]  # seconds: gemm, attention, all-to-all (exposed), tensor-parallel collectives, sharding
-    # collectives (exposed), p2p, offload copies back
+    # collectives (exposed), p2p, offload copies back, disk tier
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -222,8 +227,9 @@ def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size
     host = host_seconds(work, hw)
     if offload_prefetch:
         host = max(0.0, host - gemm - attention)
+    disk = (work.get("bytes:disk_write", 0) + work.get("bytes:disk_read", 0)) / hw.disk_bytes_per_s
     parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "tensor-parallel collectives": tp,
-             "sharding collectives": sharding, "p2p": p2p, "offload copies back": host}
+             "sharding collectives": sharding, "p2p": p2p, "offload copies back": host, "disk tier": disk}
     seconds = sum(parts.values())
     return StepTime(seconds, tokens_per_step / seconds / world_size, parts)
 

@@ -130,8 +130,9 @@ def memory_switches(config: Config, plan: Plan, bf16: bool, offloader_cls=HostOf
     return {"mlp_chunks": m.mlp_chunks, "loss_chunks": m.loss_chunks, "attention_grad_accum": m.attention_grad_accum,
             "upipe_overlap": m.upipe_overlap, "ring_overlap": m.ring_overlap,
             "residual_grad_in_place": m.residual_grad_in_place,
-            "offloader": offloader_cls(pool_bytes=pool, prefetch_ahead=m.offload_prefetch) if m.offload_checkpoints
-            else None}
+            "offloader": offloader_cls(pool_bytes=pool, prefetch_ahead=m.offload_prefetch,
+                                       disk_dir=m.offload_disk_dir, disk_layers=m.offload_disk_layers)
+            if m.offload_checkpoints else None}
 
 
 def build_stage(config: Config, plan: Plan, groups: Groups, vocab: int, arch: LlamaArch | None = None) -> LlamaStage:
