@@ -72,10 +72,27 @@ def _job(rank, world_size, capacities):
             found[gib] = str(e)
         assert len(plans) - before <= 1  # the baseline at most: the brute force planned every stack
     same_work = all(w == works[(U, False, chain, r)] for (U, overlap, chain, r), w in works.items())
+    found["layouts"] = _layouts(fastest, source, hw, none)
     return brute, found, {name: len(rungs) for name, rungs in chains.items()}, same_work
 
 
+def _layouts(fastest, source, hw, none) -> dict:
+    """search_layouts over tp 1 and 2 at LAYOUT_GIB, and each layout's own search."""
+    from megatron_upipe.planner.estimate import ConfigSource
+
+    gpu = int(LAYOUT_GIB * GIB)
+    both = fastest.search_layouts(source, 2, VOCAB, SEQ, gpu, none, hw, (1, 2))
+    alone = {}
+    for tp in (1, 2):
+        layout = fastest.layout_overrides(source.load(), tp)
+        f = fastest.search_fastest(ConfigSource(CONFIG, (*SHAPE, *layout)), 2, VOCAB, SEQ, gpu, none, hw)
+        alone[tp] = (layout, f.best.overrides, f.best.seconds, len(f.tried))
+    return {"best": (both.best.overrides, both.best.seconds), "tried": len(both.tried),
+            "baseline": both.baseline.overrides, "alone": alone}
+
+
 CAPACITIES = (1.0, 0.06, 0.05, 0.035, 0.025, 0.001)
+LAYOUT_GIB = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +135,21 @@ def test_capacities_make_different_choices(searched):
     _, found, _, _ = searched
     rungs = {found[g][0][2:] for g in CAPACITIES[:-1]}
     assert len(rungs) == len(CAPACITIES) - 1, found  # the shape exercises both ladders, partial recompute included
-    assert any(f[0][2] == "offloaded" and f[0][3] < 2 for f in found.values() if not isinstance(f, str)), found
+    assert any(found[g][0][2] == "offloaded" and found[g][0][3] < 2 for g in CAPACITIES
+               if not isinstance(found[g], str)), found
+
+
+def test_search_over_tensor_parallel_sizes_takes_the_fastest_layout(searched):
+    """tp 1 (cp 2) and tp 2 (cp 1, sequence parallelism), each searched alone: search_layouts returns the faster
+    one's choice with its layout's overrides in front, and plans what the two searches plan."""
+    got = searched[1]["layouts"]
+    alone = got["alone"]
+    tp, (layout, overrides, seconds, _) = min(alone.items(), key=lambda kv: kv[1][2])
+    assert got["best"] == ((*layout, *overrides), seconds)
+    assert got["tried"] == sum(a[3] for a in alone.values())
+    assert got["baseline"] == ()  # the config as given
+    assert alone[2][0] == ("parallel.tp=2", "parallel.cp=1", "parallel.sequence_parallel=true")
+    assert alone[1][2] != alone[2][2]  # the two layouts are priced differently
 
 
 def test_nothing_fits_refuses_in_one_line(searched):

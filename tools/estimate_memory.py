@@ -5,6 +5,7 @@
         [--world-size 8] [--gpu h100-80gb|h200|...|GiB] [--strategies none,ulysses,upipe,upipe:16] [--max-context]
         [--json OUT.json] [--plot OUT.png] [--jobs N]
     python tools/estimate_memory.py --config C --fastest [--seq-length N] [--gpu ...] [--speed h100-80gb] [--json F]
+        [--tp-sizes 1 2]
 
 Runs rank 0's real model code (build, DDP, optimizer states, one forward/backward step) under fake tensors and a
 fake process group of the full world size, tracks the live tensors, adds the attention kernel's workspace and the
@@ -41,7 +42,7 @@ from megatron_upipe.planner.estimate import (  # noqa: E402
     ConfigSource, estimate, format_breakdown, format_named, format_time, max_context, plot, strategy_config, write_json,
 )
 from megatron_upipe.planner.choose_heads import choose_heads_per_stage  # noqa: E402
-from megatron_upipe.planner.fastest import longest_stack, search_fastest  # noqa: E402
+from megatron_upipe.planner.fastest import longest_stack, search_fastest, search_layouts  # noqa: E402
 from megatron_upipe.planner.step_time import HARDWARE  # noqa: E402
 from megatron_upipe.planner.workers import default_jobs  # noqa: E402
 
@@ -115,6 +116,9 @@ def main(argv=None) -> int:
                    "memory switches) at --seq-length")
     p.add_argument("--longest", action="store_true", help="plan the most frugal stack (what reaches the longest "
                    "context: the memory.auto=longest choice) at --seq-length, in --fastest's figures")
+    p.add_argument("--tp-sizes", type=positive_int, nargs="+", default=None, help="with --fastest: also search "
+                   "these tensor-parallel sizes on the same GPUs (cp x tp kept, sequence parallelism for tp > 1); "
+                   "default: the config's layout only")
     p.add_argument("--seq-length", type=positive_int, default=None, help="tokens per sequence for --fastest "
                    "(default: the config's train.seq_length)")
     p.add_argument("--speed", default=None, choices=sorted(HARDWARE), help="the step-time model's constants for "
@@ -138,6 +142,8 @@ def main(argv=None) -> int:
         hw = HARDWARE[a.speed] if a.speed else HARDWARE.get(gpu_model.name)  # the step-time model's constants
         if a.fastest and a.longest:
             raise ValueError("--fastest and --longest choose different stacks: give one")
+        if a.tp_sizes and not a.fastest:
+            raise ValueError("--tp-sizes goes with --fastest (the search over tensor-parallel sizes)")
         if a.fastest or a.longest:
             _check_fastest(a, hw, gpu_model.name)
             validate(source.load([f"train.seq_length={a.seq_length or config.train.seq_length}"]), world)
@@ -222,7 +228,10 @@ def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int)
           f"tokens (step-time model: {hw.name})", flush=True)
     start = time.monotonic()
     try:
-        if a.fastest:
+        if a.fastest and a.tp_sizes:
+            found = search_layouts(source, world, vocab, seq, gpu, margins, hw, tuple(a.tp_sizes), jobs=a.jobs,
+                                   log=lambda line: print(line, flush=True))
+        elif a.fastest:
             found = search_fastest(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs,
                                    log=lambda line: print(line, flush=True))
         else:

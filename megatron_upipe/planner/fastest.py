@@ -34,10 +34,14 @@ the fastest that fits wins (ties: on the device, the lower rung, then the larger
 the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one ladder, U and
 overlap extrapolate from the same three shallow models, so only the first of them simulates.
 
-Not searched: tensor and pipeline parallel sizes and the ring split (the step-time model prices TP's collectives on
-the critical path, but each size multiplies the search's simulations; pipeline bubbles and the ring's split are not
-priced), other partial depths than the quarters, and `memory.attention_grad_accum`, which changes the numerics.
-They stay as the config has them.
+Tensor-parallel sizes (`search_layouts`, the CLI's `--tp-sizes`): each size t is the config on the same GPUs with
+parallel.tp = t, the context-parallel size what t leaves (cp x tp kept) and sequence parallelism for t > 1, searched
+as above; the fastest of the layouts wins (the step-time model prices TP's collectives on the critical path). Each
+size repeats the search's simulations, so by default only the config's own layout is searched.
+
+Not searched: pipeline parallel sizes and the ring split (pipeline bubbles and the ring's split are not priced),
+other partial depths than the quarters, and `memory.attention_grad_accum`, which changes the numerics. They stay as
+the config has them.
 """
 
 from __future__ import annotations
@@ -311,3 +315,47 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
                 break
     best = min(fitting, key=lambda c: (c.seconds, c.ladder == OFFLOADED, c.rung, -(c.heads_per_stage or 0)))
     return p.result(best, tuple(seen.values()))
+
+
+def layout_overrides(config, tp: int) -> tuple[str, ...]:
+    """The parallel.* overrides that run `config` with tensor-parallel size `tp` on the same GPUs: cp x tp kept,
+    sequence parallelism for tp > 1; ConfigError when tp does not divide cp x tp."""
+    p = config.parallel
+    if (p.cp * p.tp) % tp:
+        raise ConfigError(f"--tp-sizes {tp}: it does not divide parallel.cp x parallel.tp = {p.cp * p.tp}; give "
+                          f"divisors of it")
+    return (f"parallel.tp={tp}", f"parallel.cp={p.cp * p.tp // tp}",
+            f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}")
+
+
+def search_layouts(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
+                   margins, hw: Hardware, tp_sizes: tuple[int, ...], jobs: int = 1, log=None) -> Fastest:
+    """The fastest stack that fits over tensor-parallel sizes (module docstring): each layout searched by
+    `search_fastest`, the fastest best wins; every candidate's overrides start with its layout's. ConfigError when
+    no layout has a stack that fits (naming each layout's reason)."""
+    config = source.load()
+    found, reasons = [], []
+    for tp in tp_sizes:
+        layout = layout_overrides(config, tp)
+        try:
+            f = search_fastest(ConfigSource(source.path, (*source.overrides, *layout)), world_size, vocab_size,
+                               seq_length, gpu_mem_bytes, margins, hw, jobs=jobs, log=log)
+        except ConfigError as e:
+            reasons.append(f"tp={tp}: {' '.join(str(e).split())}")
+            if log is not None:
+                log(f"  {reasons[-1]}")
+            continue
+        found.append((layout, f))
+    if not found:
+        raise ConfigError(f"--fastest: no tensor-parallel size of {list(tp_sizes)} has a stack that fits: "
+                          + "; ".join(reasons))
+
+    def laid(c: Candidate, layout) -> Candidate:
+        return dataclasses.replace(c, overrides=(*layout, *c.overrides))
+
+    layout, best = min(found, key=lambda lf: lf[1].best.seconds)
+    own = [f for lay, f in found if lay == layout_overrides(config, config.parallel.tp)]
+    baseline = own[0].baseline if own else _Planning(source, world_size, vocab_size, seq_length, gpu_mem_bytes,
+                                                      margins, hw, jobs).baseline()
+    return dataclasses.replace(best, best=laid(best.best, layout), baseline=baseline,
+                               tried=tuple(laid(c, lay) for lay, f in found for c in f.tried))
