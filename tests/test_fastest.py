@@ -77,16 +77,17 @@ def _job(rank, world_size, capacities):
 
 
 def _layouts(fastest, source, hw, none) -> dict:
-    """search_layouts over tp 1 and 2 at LAYOUT_GIB, and each layout's own search."""
+    """search_layouts over tp 1, 2 x ring 1, 2 at LAYOUT_GIB (tp 2 with a ring of 2 leaves cp 1: refused), and each
+    layout's own search."""
     from megatron_upipe.planner.estimate import ConfigSource
 
     gpu = int(LAYOUT_GIB * GIB)
-    both = fastest.search_layouts(source, 2, VOCAB, SEQ, gpu, none, hw, (1, 2))
+    both = fastest.search_layouts(source, 2, VOCAB, SEQ, gpu, none, hw, (1, 2), (1, 2))
     alone = {}
-    for tp in (1, 2):
-        layout = fastest.layout_overrides(source.load(), tp)
+    for tp, ring in ((1, 1), (2, 1), (1, 2)):
+        layout = fastest.layout_overrides(source.load(), tp, ring)
         f = fastest.search_fastest(ConfigSource(CONFIG, (*SHAPE, *layout)), 2, VOCAB, SEQ, gpu, none, hw)
-        alone[tp] = (layout, f.best.overrides, f.best.seconds, len(f.tried))
+        alone[(tp, ring)] = (layout, f.best.overrides, f.best.seconds, len(f.tried))
     return {"best": (both.best.overrides, both.best.seconds), "tried": len(both.tried),
             "baseline": both.baseline.overrides, "alone": alone}
 
@@ -139,17 +140,20 @@ def test_capacities_make_different_choices(searched):
                if not isinstance(found[g], str)), found
 
 
-def test_search_over_tensor_parallel_sizes_takes_the_fastest_layout(searched):
-    """tp 1 (cp 2) and tp 2 (cp 1, sequence parallelism), each searched alone: search_layouts returns the faster
-    one's choice with its layout's overrides in front, and plans what the two searches plan."""
+def test_search_over_layouts_takes_the_fastest(searched):
+    """tp 1 (cp 2), tp 2 (cp 1, sequence parallelism) and a ring of 2 (cp_ring 2), each searched alone:
+    search_layouts returns the fastest one's choice with its layout's overrides in front, and plans what the three
+    searches plan (tp 2 with a ring of 2 is refused: cp 1)."""
     got = searched[1]["layouts"]
     alone = got["alone"]
-    tp, (layout, overrides, seconds, _) = min(alone.items(), key=lambda kv: kv[1][2])
+    _, (layout, overrides, seconds, _) = min(alone.items(), key=lambda kv: kv[1][2])
     assert got["best"] == ((*layout, *overrides), seconds)
     assert got["tried"] == sum(a[3] for a in alone.values())
     assert got["baseline"] == ()  # the config as given
-    assert alone[2][0] == ("parallel.tp=2", "parallel.cp=1", "parallel.sequence_parallel=true")
-    assert alone[1][2] != alone[2][2]  # the two layouts are priced differently
+    assert alone[(2, 1)][0] == ("parallel.tp=2", "parallel.cp=1", "parallel.cp_ring=1",
+                                "parallel.sequence_parallel=true")
+    assert len({a[2] for a in alone.values()}) == 3  # the three layouts are priced differently
+    assert not any("memory.upipe_overlap=true" in o or "=outputs" in o for o in alone[(1, 2)][1])  # ring: serial
 
 
 def test_nothing_fits_refuses_in_one_line(searched):

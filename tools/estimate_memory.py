@@ -5,7 +5,7 @@
         [--world-size 8] [--gpu h100-80gb|h200|...|GiB] [--strategies none,ulysses,upipe,upipe:16] [--max-context]
         [--json OUT.json] [--plot OUT.png] [--jobs N]
     python tools/estimate_memory.py --config C --fastest [--seq-length N] [--gpu ...] [--speed h100-80gb] [--json F]
-        [--tp-sizes 1 2]
+        [--tp-sizes 1 2] [--ring-sizes 1 2]
 
 Runs rank 0's real model code (build, DDP, optimizer states, one forward/backward step) under fake tensors and a
 fake process group of the full world size, tracks the live tensors, adds the attention kernel's workspace and the
@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp-sizes", type=positive_int, nargs="+", default=None, help="with --fastest: also search "
                    "these tensor-parallel sizes on the same GPUs (cp x tp kept, sequence parallelism for tp > 1); "
                    "default: the config's layout only")
+    p.add_argument("--ring-sizes", type=positive_int, nargs="+", default=None, help="with --fastest: also search "
+                   "these hybrid ring sizes (parallel.cp_ring; all-to-all groups of cp / ring ranks); default: the "
+                   "config's")
     p.add_argument("--seq-length", type=positive_int, default=None, help="tokens per sequence for --fastest "
                    "(default: the config's train.seq_length)")
     p.add_argument("--speed", default=None, choices=sorted(HARDWARE), help="the step-time model's constants for "
@@ -142,8 +145,8 @@ def main(argv=None) -> int:
         hw = HARDWARE[a.speed] if a.speed else HARDWARE.get(gpu_model.name)  # the step-time model's constants
         if a.fastest and a.longest:
             raise ValueError("--fastest and --longest choose different stacks: give one")
-        if a.tp_sizes and not a.fastest:
-            raise ValueError("--tp-sizes goes with --fastest (the search over tensor-parallel sizes)")
+        if (a.tp_sizes or a.ring_sizes) and not a.fastest:
+            raise ValueError("--tp-sizes and --ring-sizes go with --fastest (the search over layouts)")
         if a.fastest or a.longest:
             _check_fastest(a, hw, gpu_model.name)
             validate(source.load([f"train.seq_length={a.seq_length or config.train.seq_length}"]), world)
@@ -228,8 +231,10 @@ def _fastest(a, source, world: int, vocab: int, gpu: int, margins, hw, seq: int)
           f"tokens (step-time model: {hw.name})", flush=True)
     start = time.monotonic()
     try:
-        if a.fastest and a.tp_sizes:
-            found = search_layouts(source, world, vocab, seq, gpu, margins, hw, tuple(a.tp_sizes), jobs=a.jobs,
+        if a.fastest and (a.tp_sizes or a.ring_sizes):
+            found = search_layouts(source, world, vocab, seq, gpu, margins, hw,
+                                   tuple(a.tp_sizes or (source.load().parallel.tp,)),
+                                   tuple(a.ring_sizes) if a.ring_sizes else None, jobs=a.jobs,
                                    log=lambda line: print(line, flush=True))
         elif a.fastest:
             found = search_fastest(source, world, vocab, seq, gpu, margins, hw, jobs=a.jobs,

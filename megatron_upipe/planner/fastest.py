@@ -34,14 +34,15 @@ the fastest that fits wins (ties: on the device, the lower rung, then the larger
 the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one ladder, U and
 overlap extrapolate from the same three shallow models, so only the first of them simulates.
 
-Tensor-parallel sizes (`search_layouts`, the CLI's `--tp-sizes`): each size t is the config on the same GPUs with
-parallel.tp = t, the context-parallel size what t leaves (cp x tp kept) and sequence parallelism for t > 1, searched
-as above; the fastest of the layouts wins (the step-time model prices TP's collectives on the critical path). Each
-size repeats the search's simulations, so by default only the config's own layout is searched.
+Layouts (`search_layouts`, the CLI's `--tp-sizes` and `--ring-sizes`): each tensor-parallel size t and ring size r
+is the config on the same GPUs with parallel.tp = t, the context-parallel size what t leaves (cp x tp kept),
+parallel.cp_ring = r (all-to-all groups of cp / r ranks) and sequence parallelism for t > 1, searched as above (with
+a ring, serial stages only: pipelined stages are not implemented with it); the fastest of the layouts wins (the
+step-time model prices TP's collectives and the ring's P2P passes on the critical path). Each layout repeats the
+search's simulations, so by default only the config's own layout is searched.
 
-Not searched: pipeline parallel sizes and the ring split (pipeline bubbles and the ring's split are not priced),
-other partial depths than the quarters, and `memory.attention_grad_accum`, which changes the numerics. They stay as
-the config has them.
+Not searched: pipeline parallel sizes (pipeline bubbles are not priced), memory.ring_overlap, other partial depths
+than the quarters, and `memory.attention_grad_accum`, which changes the numerics. They stay as the config has them.
 """
 
 from __future__ import annotations
@@ -294,7 +295,8 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
 
     seen[(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = p.most_frugal(chains, legal[-1], "fastest")
     fitting: list[Candidate] = []
-    for overlap in ((False, True, "outputs") if legal != [None] else (False,)):
+    serial_only = legal == [None] or p.config.parallel.cp_ring > 1  # the ring's stages run serially
+    for overlap in ((False,) if serial_only else (False, True, "outputs")):
         hi = {name: len(rungs) - 1 for name, rungs in chains.items()}
         for U in legal:
             if overlap and U == one_stage:  # one stage: nothing to pipeline
@@ -317,44 +319,50 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
     return p.result(best, tuple(seen.values()))
 
 
-def layout_overrides(config, tp: int) -> tuple[str, ...]:
-    """The parallel.* overrides that run `config` with tensor-parallel size `tp` on the same GPUs: cp x tp kept,
-    sequence parallelism for tp > 1; ConfigError when tp does not divide cp x tp."""
+def layout_overrides(config, tp: int, ring: int | None = None) -> tuple[str, ...]:
+    """The parallel.* overrides that run `config` with tensor-parallel size `tp` (and `ring` ranks of the hybrid
+    ring, parallel.cp_ring; None: the config's) on the same GPUs: cp x tp kept, sequence parallelism for tp > 1;
+    ConfigError when tp does not divide cp x tp or the ring the cp that leaves."""
     p = config.parallel
+    ring = p.cp_ring if ring is None else ring
     if (p.cp * p.tp) % tp:
         raise ConfigError(f"--tp-sizes {tp}: it does not divide parallel.cp x parallel.tp = {p.cp * p.tp}; give "
                           f"divisors of it")
-    return (f"parallel.tp={tp}", f"parallel.cp={p.cp * p.tp // tp}",
+    cp = p.cp * p.tp // tp
+    if cp % ring:
+        raise ConfigError(f"--ring-sizes {ring}: it does not divide parallel.cp = {cp} (with tp {tp}); give divisors "
+                          f"of it")
+    return (f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.cp_ring={ring}",
             f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}")
 
 
 def search_layouts(source: ConfigSource, world_size: int, vocab_size: int, seq_length: int, gpu_mem_bytes: int,
-                   margins, hw: Hardware, tp_sizes: tuple[int, ...], jobs: int = 1, log=None) -> Fastest:
-    """The fastest stack that fits over tensor-parallel sizes (module docstring): each layout searched by
-    `search_fastest`, the fastest best wins; every candidate's overrides start with its layout's. ConfigError when
-    no layout has a stack that fits (naming each layout's reason)."""
+                   margins, hw: Hardware, tp_sizes: tuple[int, ...], ring_sizes: tuple[int, ...] | None = None,
+                   jobs: int = 1, log=None) -> Fastest:
+    """The fastest stack that fits over tensor-parallel sizes and ring sizes (module docstring; ring_sizes None:
+    the config's): each layout searched by `search_fastest`, the fastest best wins; every candidate's overrides
+    start with its layout's. ConfigError when no layout has a stack that fits (naming each layout's reason)."""
     config = source.load()
     found, reasons = [], []
-    for tp in tp_sizes:
-        layout = layout_overrides(config, tp)
+    for tp, ring in ((t, r) for t in tp_sizes for r in (ring_sizes or (config.parallel.cp_ring,))):
         try:
+            layout = layout_overrides(config, tp, ring)
             f = search_fastest(ConfigSource(source.path, (*source.overrides, *layout)), world_size, vocab_size,
                                seq_length, gpu_mem_bytes, margins, hw, jobs=jobs, log=log)
         except ConfigError as e:
-            reasons.append(f"tp={tp}: {' '.join(str(e).split())}")
+            reasons.append(f"tp={tp} cp_ring={ring}: {' '.join(str(e).split())}")
             if log is not None:
                 log(f"  {reasons[-1]}")
             continue
         found.append((layout, f))
     if not found:
-        raise ConfigError(f"--fastest: no tensor-parallel size of {list(tp_sizes)} has a stack that fits: "
-                          + "; ".join(reasons))
+        raise ConfigError("--fastest: no layout searched has a stack that fits: " + "; ".join(reasons))
 
     def laid(c: Candidate, layout) -> Candidate:
         return dataclasses.replace(c, overrides=(*layout, *c.overrides))
 
     layout, best = min(found, key=lambda lf: lf[1].best.seconds)
-    own = [f for lay, f in found if lay == layout_overrides(config, config.parallel.tp)]
+    own = [f for lay, f in found if lay == layout_overrides(config, config.parallel.tp)]  # the config's layout
     baseline = own[0].baseline if own else _Planning(source, world_size, vocab_size, seq_length, gpu_mem_bytes,
                                                       margins, hw, jobs).baseline()
     return dataclasses.replace(best, best=laid(best.best, layout), baseline=baseline,
