@@ -13,7 +13,8 @@ setup or call each); a module not listed keeps its place after them.
 import torch  # noqa: F401
 
 SLOW_FIRST = (
-    "test_train_equivalence", "test_recipes", "test_planner_fsdp", "test_fastest", "test_sharded_states",
+    "test_fastest", "test_train_equivalence", "test_recipes", "test_planner_fsdp", "test_fastest_layouts",
+    "test_sharded_states",
     "test_auto_stack", "test_llama_layouts", "test_cuda_contracts", "test_resume_semantics", "test_hybrid_training",
     "test_train_smoke", "test_planner_depth", "test_fsdp_checkpoint", "test_offload_recompute", "test_hf_parity",
     "test_checkpoint_resume", "test_attention_overlap", "test_train_metrics", "test_hf_train", "test_planner",

@@ -72,28 +72,10 @@ def _job(rank, world_size, capacities):
             found[gib] = str(e)
         assert len(plans) - before <= 1  # the baseline at most: the brute force planned every stack
     same_work = all(w == works[(U, False, chain, r)] for (U, overlap, chain, r), w in works.items())
-    found["layouts"] = _layouts(fastest, source, hw, none)
     return brute, found, {name: len(rungs) for name, rungs in chains.items()}, same_work
 
 
-def _layouts(fastest, source, hw, none) -> dict:
-    """search_layouts over tp 1, 2 x ring 1, 2 at LAYOUT_GIB (tp 2 with a ring of 2 leaves cp 1: refused), and each
-    layout's own search."""
-    from megatron_upipe.planner.estimate import ConfigSource
-
-    gpu = int(LAYOUT_GIB * GIB)
-    both = fastest.search_layouts(source, 2, VOCAB, SEQ, gpu, none, hw, (1, 2), (1, 2))
-    alone = {}
-    for tp, ring in ((1, 1), (2, 1), (1, 2)):
-        layout = fastest.layout_overrides(source.load(), tp, ring)
-        f = fastest.search_fastest(ConfigSource(CONFIG, (*SHAPE, *layout)), 2, VOCAB, SEQ, gpu, none, hw)
-        alone[(tp, ring)] = (layout, f.best.overrides, f.best.seconds, len(f.tried))
-    return {"best": (both.best.overrides, both.best.seconds), "tried": len(both.tried),
-            "baseline": both.baseline.overrides, "alone": alone}
-
-
 CAPACITIES = (1.0, 0.06, 0.05, 0.035, 0.025, 0.001)
-LAYOUT_GIB = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -136,24 +118,7 @@ def test_capacities_make_different_choices(searched):
     _, found, _, _ = searched
     rungs = {found[g][0][2:] for g in CAPACITIES[:-1]}
     assert len(rungs) == len(CAPACITIES) - 1, found  # the shape exercises both ladders, partial recompute included
-    assert any(found[g][0][2] == "offloaded" and found[g][0][3] < 2 for g in CAPACITIES
-               if not isinstance(found[g], str)), found
-
-
-def test_search_over_layouts_takes_the_fastest(searched):
-    """tp 1 (cp 2), tp 2 (cp 1, sequence parallelism) and a ring of 2 (cp_ring 2), each searched alone:
-    search_layouts returns the fastest one's choice with its layout's overrides in front, and plans what the three
-    searches plan (tp 2 with a ring of 2 is refused: cp 1)."""
-    got = searched[1]["layouts"]
-    alone = got["alone"]
-    _, (layout, overrides, seconds, _) = min(alone.items(), key=lambda kv: kv[1][2])
-    assert got["best"] == ((*layout, *overrides), seconds)
-    assert got["tried"] == sum(a[3] for a in alone.values())
-    assert got["baseline"] == ()  # the config as given
-    assert alone[(2, 1)][0] == ("parallel.tp=2", "parallel.cp=1", "parallel.cp_ring=1",
-                                "parallel.sequence_parallel=true")
-    assert len({a[2] for a in alone.values()}) == 3  # the three layouts are priced differently
-    assert not any("memory.upipe_overlap=true" in o or "=outputs" in o for o in alone[(1, 2)][1])  # ring: serial
+    assert any(f[0][2] == "offloaded" and f[0][3] < 2 for f in found.values() if not isinstance(f, str)), found
 
 
 def test_nothing_fits_refuses_in_one_line(searched):

@@ -119,12 +119,12 @@ def _prepare(x, w_q, w_k, w_v, cp_group, heads_per_stage, rotary_pos_emb, causal
         raise ValueError(f"grad_accum={grad_accum!r}: use 'fp32' or 'input' (the activations' dtype)")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap={overlap!r}: use False, True (= 'stages') or 'outputs'")
-    overlap = OVERLAPS[overlap]
+    given, overlap = overlap, OVERLAPS[overlap]
     C, R = group_size(cp_group), group_size(ring_group)
     _check_grouped(x, w_q, w_k, w_v, rotary_pos_emb, C, R)
     if ring_group is not None:
         problems = [why for bad, why in ((not causal, "causal=False"), (cu_seqlens is not None, "cu_seqlens"),
-                                         (overlap != "none", f"overlap={overlap!r}")) if bad]
+                                         (overlap != "none", f"overlap={given!r}")) if bad]
         if problems:
             raise ValueError(f"ring_group: ring attention here is causal over one sequence without pipelined stages; "
                              f"drop {', '.join(problems)} or ring_group")
