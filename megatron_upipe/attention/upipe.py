@@ -66,13 +66,14 @@ it: tests/upipe_seams.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from .upipe_indices import (_build_indices, _cached_indices, _stage_indices,  # noqa: F401 (named by tests)
                             ordered_index_add_, replica_groups)
 from .upipe_passes import BackwardPass, ForwardPass
-from .upipe_pipelined import drained_backward, drained_forward, pipelined_backward, pipelined_forward
+from .upipe_pipelined import pipelined_backward, pipelined_forward
 from .upipe_rows import _norm_rstd, accumulate_mm  # noqa: F401 (accumulate_mm: named by tests)
 from .upipe_serial import serial_backward, serial_forward
 from .upipe_stages import (InFlight, StageOp, _ready, _settle, head_to_seq,  # noqa: F401 (named by tests)
@@ -83,7 +84,9 @@ def _loops(op: StageOp):
     """The (forward, backward) stage loops of op.overlap; Ulysses (op.save_heads) has one stage, nothing to overlap."""
     if op.save_heads or op.overlap == "none":
         return serial_forward, serial_backward
-    return (pipelined_forward, pipelined_backward) if op.overlap == "stages" else (drained_forward, drained_backward)
+    if op.overlap == "stages":
+        return pipelined_forward, pipelined_backward
+    return partial(serial_forward, drain=True), partial(serial_backward, drain=True)  # "outputs"
 
 
 def upipe_forward(x, w_q, w_k, w_v, rope, op: StageOp, norm_w=None, rstd=None, b_q=None, b_k=None, b_v=None,

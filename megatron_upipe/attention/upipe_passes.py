@@ -168,9 +168,10 @@ class BackwardPass(_Pass):
         """dq [b, m, N, d] -> all-to-all -> inverse RoPE -> [s·b, U·d]."""
         return _heads_to_rows(dq.permute(2, 0, 1, 3), self.rope, self.s, self.b, self.op)
 
-    def seq_rows(self, recv) -> torch.Tensor:
-        """A received dq [C, s, b, m, d] -> inverse RoPE -> [s·b, U·d]."""
-        return _seq_to_rows(recv, self.rope, self.s, self.b)
+    def finish_sent_dq(self, i: int, sent, q_pre, w_rows) -> None:
+        """Stage i's dq back in sequence layout ([C, s, b, m, d], or the InFlight of its all-to-all) -> inverse
+        RoPE -> [s·b, U·d] -> dx, dW_Q (`finish_dq`)."""
+        self.finish_dq(i, _seq_to_rows(_ready(sent), self.rope, self.s, self.b), q_pre, w_rows)
 
     def _pre_norm_grad(self, rows, pre, nw, dnw):
         """Gradient w.r.t. the normalised heads [s·b, R·d] -> w.r.t. the pre-norm projection p [s·b, R·d]."""

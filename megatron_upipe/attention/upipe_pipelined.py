@@ -1,12 +1,7 @@
-"""UPipe stages pipelined (op.overlap, memory.upipe_overlap): communication of neighbouring stages in flight, the
-same results as upipe_serial.py bit for bit. Two variants:
-
-- "stages" (`pipelined_forward` / `pipelined_backward`): the next stage's inputs and the previous stage's result in
-  flight during each stage's kernel; one more stage of buffers alive (its inputs, send and receive).
-- "outputs" (`drained_forward` / `drained_backward`): only the result of each stage (forward: its output;
-  backward: its dq) in flight, while the next stage's projections and input all-to-alls run; the inputs are
-  projected and communicated when their stage starts, as in the serial loop. One stage's result buffers alive
-  more than serial (send and receive, [s, b, U, d] each, and in backward the stage's pre-norm q and W_Q rows).
+"""UPipe stages pipelined (op.overlap="stages", memory.upipe_overlap=true): communication of neighbouring stages in
+flight during each stage's kernel, the same results as upipe_serial.py bit for bit, one more stage of buffers alive
+(its inputs, send and receive). The bounded variant, only each stage's result in flight during the next stage's
+projections (op.overlap="outputs"), is upipe_serial.py's loop with `drain`.
 
 Legend: s local tokens, N = C·s global tokens, b micro-batch, H query heads, d head dim, U = C·m heads per stage,
 n_kv resident KV heads per rank in a KV round (schedule.py); upipe_passes.py and upipe_stages.py hold the steps.
@@ -51,39 +46,10 @@ def pipelined_forward(fw: ForwardPass):
     return fw.result()
 
 
-def drained_forward(fw: ForwardPass):
-    """(out [s, b, H·d], lse per stage, kernel aux per stage, []): the serial loop with each stage's output
-    all-to-all in flight until the next stage's inputs are projected and have arrived."""
-    op = fw.op
-    k_head = v_head = None
-    draining = None  # the previous stage's output all-to-all in flight, with its stage index
-    for i, st in enumerate(op.schedule.stages):
-        if st.new_round:
-            k_head = v_head = None  # free the previous round's K/V before projecting the next
-        kv, q_head = fw.project(i)  # (K, V) [N, b, n_kv, d] each at a round's first stage, else None; q [N, b, m, d]
-        if kv is not None:
-            k_head, v_head = kv
-        del kv
-        if draining is not None:
-            fw.write_out(*draining)  # the previous stage's output: its all-to-all ran during the projections above
-            draining = None
-        o = fw.attend(i, q_head, k_head, v_head)  # [b, m, N, d]
-        del q_head
-        draining = (i, head_to_seq(o.permute(2, 0, 1, 3), op.group, async_op=True))  # [N, b, m, d] -> [C, s, b, m, d]
-        del o
-    fw.write_out(*draining)
-    return fw.result()
-
-
 def _launch(bw: BackwardPass, i: int):
     """Stage i's W_Q rows and inputs in head layout, their all-to-alls started: (w_rows, kv, q, q_pre, o, do)."""
     w_rows, kv, q, q_pre, o = bw.recompute(i, async_op=True)
     return w_rows, kv, q, q_pre, o, bw.dout(i, async_op=True)
-
-
-def _drain(bw: BackwardPass, pending) -> None:
-    """A stage's dq all-to-all in flight (i, dq [C, s, b, m, d], q_pre, w_rows) -> inverse RoPE -> dx, dW_Q."""
-    bw.finish_dq(pending[0], bw.seq_rows(_ready(pending[1])), *pending[2:])
 
 
 def pipelined_backward(bw: BackwardPass):
@@ -105,7 +71,7 @@ def pipelined_backward(bw: BackwardPass):
         if i + 1 < n:
             nxt = _launch(bw, i + 1)  # in flight during this stage's kernel
         if draining is not None:  # the previous stage's dq (its all-to-all ran during the projections above)
-            _drain(bw, draining)
+            bw.finish_sent_dq(*draining)
             draining = None
         dq, dk, dv = bw.attend(i, do_head, q_head, k_head, v_head, o_head)  # [b, m, N, d], [b, a1-a0, N, d] x 2
         nxt = _settle(nxt)  # the next stage's inputs have arrived (on CUDA: the stream waits): send buffers freed
@@ -116,42 +82,7 @@ def pipelined_backward(bw: BackwardPass):
                     q_pre, w_rows)
         del dq, q_pre, w_rows
         if round_ends(op.schedule, i):  # dx adds this stage's dq before the round's dK/dV, as the serial order does
-            _drain(bw, draining)
-            draining = None
-            k_head = v_head = None
-            bw.finish_round(i)  # the round's dK, dV back into dx, dW_K, dW_V
-    return bw.result()
-
-
-def drained_backward(bw: BackwardPass):
-    """(dx, dw_norm, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, dq_norm_w, dk_norm_w): the serial loop with each
-    stage's dq all-to-all in flight until the next stage's inputs are recomputed and have arrived; a round's last dq
-    is finished at once (dx adds it before the round's dK/dV, as the serial order does)."""
-    op = bw.op
-    k_head = v_head = None
-    draining = None  # the previous stage's dq all-to-all in flight, with what finish_dq needs
-    for i, st in enumerate(op.schedule.stages):
-        if st.new_round:
-            k_head = v_head = None  # free the previous round's K/V before recomputing the next
-        w_rows, kv, q_head, q_pre, o_head = bw.recompute(i)  # W_Q rows [U, d, D]; K/V, q, out in head layout
-        if st.new_round:
-            bw.new_round()  # dK, dV [N, b, n_kv, d] of the round
-        do_head = bw.dout(i)  # [N, b, m, d]
-        if kv is not None:
-            k_head, v_head = kv  # [N, b, n_kv, d] each
-        del kv
-        if draining is not None:  # the previous stage's dq (its all-to-all ran during the recomputation above)
-            _drain(bw, draining)
-            draining = None
-        dq, dk, dv = bw.attend(i, do_head, q_head, k_head, v_head, o_head)  # [b, m, N, d], [b, a1-a0, N, d] x 2
-        del q_head, o_head, do_head
-        bw.add_kv_grads(i, dk, dv)
-        del dk, dv
-        draining = (i, head_to_seq(dq.permute(2, 0, 1, 3), op.group, async_op=True),  # [C, s, b, m, d] in flight
-                    q_pre, w_rows)
-        del dq, q_pre, w_rows
-        if round_ends(op.schedule, i):
-            _drain(bw, draining)
+            bw.finish_sent_dq(*draining)
             draining = None
             k_head = v_head = None
             bw.finish_round(i)  # the round's dK, dV back into dx, dW_K, dW_V

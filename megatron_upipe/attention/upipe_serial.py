@@ -9,6 +9,12 @@ Forward, stage by stage: at the first stage of a KV round project K/V for the ro
 (per round), q and the stage's slice of out, all-to-all the stage's slice of dout, the kernel's backward, dq back
 into dx and dW_Q; at a round's end its summed dK/dV back into dx, dW_K, dW_V. With op.save_heads (Ulysses) the
 forward keeps q, k, v and out in head layout and backward uses them instead of recomputing.
+
+With `drain` (memory.upipe_overlap=outputs) each stage's result all-to-all (forward: its output; backward: its dq)
+is started asynchronously and finished after the next stage's projections and input all-to-alls, before its
+kernel; a KV round's last dq is finished at once (dx adds it before the round's dK/dV, as the serial order does).
+Same results bit for bit; one stage's result in flight more (send and receive, [s, b, U, d] each, and in backward
+its pre-norm q and W_Q rows).
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from .upipe_passes import BackwardPass, ForwardPass
 from .upipe_stages import round_ends
 
 
-def serial_forward(fw: ForwardPass):
+def serial_forward(fw: ForwardPass, drain: bool = False):
     """(out [s, b, H·d], lse per stage, kernel aux per stage, saved heads per stage (Ulysses) or [])."""
     op = fw.op
     k_head = v_head = None
+    sent = None  # (stage, its output all-to-all: done, or in flight with `drain`)
     for i, st in enumerate(op.schedule.stages):
         if st.new_round:
             k_head = v_head = None  # free the previous round's K/V before projecting the next
@@ -29,21 +36,28 @@ def serial_forward(fw: ForwardPass):
         if kv is not None:
             k_head, v_head = kv
         del kv
+        if sent is not None:  # drain: the previous stage's output, whose all-to-all ran during the projections above
+            fw.write_out(*sent)
+            sent = None
         o = fw.attend(i, q_head, k_head, v_head)  # [b, m, N, d]
         if op.save_heads:
             fw.saved.append((q_head, k_head, v_head, o))
         del q_head
-        o_seq = head_to_seq(o.permute(2, 0, 1, 3), op.group)  # [b, m, N, d] -> [N, b, m, d] -> [C, s, b, m, d]
+        sent = (i, head_to_seq(o.permute(2, 0, 1, 3), op.group, async_op=drain))  # [N, b, m, d] -> [C, s, b, m, d]
         del o
-        fw.write_out(i, o_seq)
-        del o_seq
+        if not drain:
+            fw.write_out(*sent)
+            sent = None
+    if sent is not None:
+        fw.write_out(*sent)
     return fw.result()
 
 
-def serial_backward(bw: BackwardPass):
+def serial_backward(bw: BackwardPass, drain: bool = False):
     """(dx, dw_norm, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, dq_norm_w, dk_norm_w): `BackwardPass.result`."""
     op = bw.op
     k_head = v_head = None
+    sent = None  # drain: (stage, its dq all-to-all in flight, and what finish_dq needs)
     for i, st in enumerate(op.schedule.stages):
         if op.save_heads:  # Ulysses: the forward's head-layout tensors
             q_head, k_head, v_head, o_head = bw.saved_heads()  # [N, b, m, d], [N, b, n_kv, d] x 2, [N, b, m, d]
@@ -58,14 +72,24 @@ def serial_backward(bw: BackwardPass):
         if q is not None:
             q_head, o_head = q, o  # [N, b, m, d] each
         del kv, q, o
+        if sent is not None:  # drain: the previous stage's dq, whose all-to-all ran during the recomputation above
+            bw.finish_sent_dq(*sent)
+            sent = None
         dq, dk, dv = bw.attend(i, do_head, q_head, k_head, v_head, o_head)  # [b, m, N, d], [b, a1-a0, N, d] x 2
         del q_head, o_head, do_head
         bw.add_kv_grads(i, dk, dv)
         del dk, dv
-        rows = bw.dq_rows(dq)  # [b, m, N, d] -> [N, b, m, d] -> all-to-all -> inverse RoPE -> [s·b, U·d]
-        del dq
-        bw.finish_dq(i, rows, q_pre, w_rows)  # into dx, dW_Q
-        del rows, q_pre, w_rows
+        if drain:  # [b, m, N, d] -> [N, b, m, d] -> all-to-all in flight -> [C, s, b, m, d]
+            sent = (i, head_to_seq(dq.permute(2, 0, 1, 3), op.group, async_op=True), q_pre, w_rows)
+            del dq, q_pre, w_rows
+            if round_ends(op.schedule, i):
+                bw.finish_sent_dq(*sent)
+                sent = None
+        else:
+            rows = bw.dq_rows(dq)  # [b, m, N, d] -> [N, b, m, d] -> all-to-all -> inverse RoPE -> [s·b, U·d]
+            del dq
+            bw.finish_dq(i, rows, q_pre, w_rows)  # into dx, dW_Q
+            del rows, q_pre, w_rows
         if round_ends(op.schedule, i):
             k_head = v_head = None
             bw.finish_round(i)  # the round's dK, dV back into dx, dW_K, dW_V
