@@ -108,7 +108,7 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     if m.offload_disk_layers and depth > base_depth + 2:  # extrapolated without the disk tier, then moved to it
         plain = dataclasses.replace(config, memory=dataclasses.replace(m, offload_disk_layers=0))
         return _with_disk(simulate_deep(plain, world_size, vocab_size, named_bytes, base_depth, jobs, memo), config,
-                          world_size)
+                          plain, world_size)
     if m.recompute_layers is not None and m.recompute_layers < depth:
         return _simulate_two_kinds(config, world_size, vocab_size, named_bytes, base_depth, jobs, depth, memo)
     config = with_depth(config, depth)  # recompute_layers >= depth: every layer, as null
@@ -124,18 +124,18 @@ def simulate_deep(config: Config, world_size: int, vocab_size: int, named_bytes:
     return extrapolate(shallow, deeper, a, b, depth)
 
 
-def _with_disk(step: StepMemory, config: Config, world_size: int) -> StepMemory:
-    """`step` (planned without the disk tier) with memory.offload_disk_layers layer inputs moved to it."""
-    from megatron_upipe.memory_switches.host_budget import layer_input_bytes
-    from megatron_upipe.memory_switches.pinned_pool import aligned
+def _with_disk(step: StepMemory, config: Config, plain: Config, world_size: int) -> StepMemory:
+    """`step` (planned with `plain`, `config` without the disk tier) with memory.offload_disk_layers layer inputs
+    moved to it: the pool and disk bytes as host_budget plans them, written and read once per micro-batch."""
+    from megatron_upipe.memory_switches.host_budget import disk_bytes, offload_pool_bytes
 
     plan = validate(config, world_size)
-    one = layer_input_bytes(config, plan, 2 if config.train.bf16 is not False else 4)
-    n, work = config.memory.offload_disk_layers, dict(step.work or {})
-    moved = n * one * plan.num_microbatches
+    width = 2 if config.train.bf16 is not False else 4
+    moved, work = disk_bytes(config, plan, width) * plan.num_microbatches, dict(step.work or {})
     work["bytes:disk_write"] = work.get("bytes:disk_write", 0) + moved
     work["bytes:disk_read"] = work.get("bytes:disk_read", 0) + moved
-    return dataclasses.replace(step, host_peak_bytes=step.host_peak_bytes - n * aligned(one), work=work)
+    pool_cut = offload_pool_bytes(plain, plan, width) - offload_pool_bytes(config, plan, width)
+    return dataclasses.replace(step, host_peak_bytes=step.host_peak_bytes - pool_cut, work=work)
 
 
 def _simulate_two_kinds(config: Config, world_size: int, vocab_size: int, named_bytes: int, base_depth: int,
