@@ -33,6 +33,8 @@ class MemoryRunResult:
     pool_misses: int = 0  # copies that found no room in the offloader's pool
     grad_norms: tuple = ()  # per step: the global gradient norm the optimizer computed (before clipping)
     disk: tuple = ()  # the offloader's disk tier: (peak bytes, bytes alive at the end, bytes written, bytes read)
+    parked: tuple = ()  # per step with park_optimizer: (bytes parked, their device bytes during the first forward)
+    final_params: dict | None = None  # after the last step, numpy: name -> parameter (sharded: this rank's buffers)
 
 
 def portable(result: MemoryRunResult) -> MemoryRunResult:
@@ -45,10 +47,11 @@ def portable(result: MemoryRunResult) -> MemoryRunResult:
 def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int = 1, lr: float = 1e-3,
                       recompute: bool = False, offload=False, shard: bool = False,
                       bf16: bool = False, num_microbatches: int = 1,
-                      grads_dtype: torch.dtype = torch.float32) -> MemoryRunResult:
+                      grads_dtype: torch.dtype = torch.float32, park_optimizer: bool = False) -> MemoryRunResult:
     """recompute: True (every layer) or N (the first N layers of each stage, memory.recompute_layers); offload: True
     (an unpooled HostOffloader) or a function of the pp rank returning the offloader; grads_dtype: Megatron-FSDP's
-    gradient buffers (with shard)."""
+    gradient buffers (with shard); park_optimizer: memory.offload_optimizer_states (the optimizer's own storages on the
+    host during each forward-backward)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -59,7 +62,9 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
     from megatron_upipe.cp_batch import split_batch
     from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
     from megatron_upipe.memory_switches.offload import HostOffloader
-    from megatron_upipe.memory_switches.sharding import fsdp_buffer_bytes, optimizer_state_bytes, wrap_fully_sharded
+    from megatron_upipe.memory_switches.optimizer_parking import for_optimizer, parked
+    from megatron_upipe.memory_switches.sharding import (fsdp_buffer_bytes, fsdp_state_tensors, optimizer_state_bytes,
+                                                         wrap_fully_sharded)
     from megatron_upipe.models.llama import build_llama, llama_transformer_config
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
     from tests.llama_harness import _gather_stage, _loss_func
@@ -87,6 +92,7 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
             optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1.0, bf16=bf16, params_dtype=dtype,
             use_distributed_optimizer=shard), [wrapped])
         config.grad_scale_func = optimizer.scale_loss
+        parking = for_optimizer(wrapped, stage.model, optimizer) if park_optimizer else None
 
         B, N = tokens.shape[0], tokens.shape[1] - 1
         dp_rank, dp = pg.dp.rank(), pg.dp.size()
@@ -107,16 +113,19 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
                 gc.collect()
             probe.setdefault("device", tracker.live_bytes)
             probe.setdefault("host", offloader.live_bytes if offloader else 0)
+            probe.setdefault("parked", parking.device_bytes if parking else 0)
             return out, _loss_func
 
         forward_backward = get_forward_backward_func()
-        losses, grads, peaks, reserved, norms = [], None, [], [], []
+        losses, grads, peaks, reserved, norms, parks = [], None, [], [], [], []
         for step in range(steps):
             wrapped.zero_grad_buffer()
             optimizer.zero_grad()
-            with PeakMemoryTracker() as tracker:
+            probe.pop("parked", None)
+            with parked(parking), PeakMemoryTracker() as tracker:
                 out = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[wrapped],
                                        num_microbatches=M, seq_length=N, micro_batch_size=mbs, forward_only=False)
+                parks.append((parking.parked_bytes, probe["parked"]) if parking else (0, 0))
             peaks.append(tracker.peak_bytes)
             # the last pipeline stage holds the M micro-batch losses (equal token counts): sum over pp, mean over dp·cp
             local = torch.tensor([sum(o["lm loss"].item() for o in out) / M if out else 0.0])
@@ -133,10 +142,16 @@ def run_memory_layout(layout, arch, hf_sd, tokens: torch.Tensor, *, steps: int =
         if shard:
             state.update({f"buffer_{k}": v for k, v in fsdp_buffer_bytes(wrapped).items()})
         dtypes = tuple(sorted({str(p.dtype) for p in stage.model.parameters()}))
+        if shard:  # this rank's shards of the compute and fp32 main weights (the modules' own are freed buckets)
+            final = {f"{kind} {i}": t.detach().float().clone().numpy()
+                     for i, (kind, t) in enumerate(fsdp_state_tensors(wrapped)) if kind in ("params", "main_params")}
+        else:
+            final = {n: p.detach().float().clone().numpy() for n, p in stage.model.named_parameters()}
+
         return MemoryRunResult(losses, grads, peaks, probe["device"], probe["host"],
                                offloader.peak_bytes if offloader else 0, offloader.live_bytes if offloader else 0,
                                state, dtypes, tuple(reserved), offloader.ledger.pool_misses if offloader else 0,
-                               tuple(norms), _disk(offloader))
+                               tuple(norms), _disk(offloader), tuple(parks), final)
     finally:
         destroy_parallel()
 

@@ -20,8 +20,9 @@ BASE = ["train.bf16=true", f"model.vocab_size={VOCAB}", "data.path=mock", "dist.
 CASES = {  # name: (world size, overrides); the fused input norm / output projection are on wherever they apply
     "upipe cp2 x dp2, fsdp": (4, ["parallel.cp=2", "parallel.cp_strategy=upipe", *STACK, *FSDP,
                                   "memory.attention_grad_accum=input"]),
-    "upipe cp2 x dp2, fsdp, bf16 gradients": (4, ["parallel.cp=2", "parallel.cp_strategy=upipe", *STACK, *FSDP,
-                                                  "memory.attention_grad_accum=input", "memory.fsdp_grads_dtype=bf16"]),
+    "upipe cp2 x dp2, fsdp, bf16 gradients, optimizer states parked": (
+        4, ["parallel.cp=2", "parallel.cp_strategy=upipe", *STACK, *FSDP, "memory.attention_grad_accum=input",
+            "memory.fsdp_grads_dtype=bf16", "memory.offload_optimizer_states=true"]),
     "ulysses cp2 x dp2, fsdp": (4, ["parallel.cp=2", "parallel.cp_strategy=ulysses", *STACK, *FSDP,
                                     "memory.attention_grad_accum=input"]),
     "tp2 + sp x cp2 upipe, fsdp": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
@@ -84,6 +85,10 @@ def test_simulation_matches_real_run_within_1_percent(simulated, real_runs, case
     assert err < 0.01, f"{case}: simulated {sim.peak_bytes} vs real {real.peak_bytes} ({err:.2%}), {seconds:.0f} s"
     assert sim.model_state_bytes == real.model_state_bytes
     assert sum(sim.breakdown.values()) == sim.peak_bytes
+    if "parked" in case:  # the moment the parked states are back after the backward: its own peak, also planned
+        back = abs(sim.states_back_bytes - real.states_back_bytes) / real.states_back_bytes
+        assert back < 0.01, (sim.states_back_bytes, real.states_back_bytes)
+        assert real.states_back_bytes - real.breakdown.get("optimizer", 0) > 0
     fsdp = {"fsdp: gathered params", "fsdp: grad buckets"}
     if "fsdp" in case:  # the sharded wrapper itself was simulated: its unsharded buckets are alive at the peak
         assert fsdp <= set(sim.breakdown) and fsdp <= set(real.breakdown), sim.breakdown
@@ -125,12 +130,16 @@ def test_storage_tracker_follows_in_place_resizes_and_split_storages():
 def _train_with_plan_check(rank, world_size, metrics):
     from tests.train_harness import SMALL, run_main
 
-    code, err = run_main(*SMALL, *FSDP, "memory.plan_check=true", "train.steps=2", f"log.metrics_file={metrics}")
+    # 512 tokens: the forward/backward's peak above the model states alive between steps, as at real lengths (at 64
+    # the tiny model's states, all on the device when the step begins, would be the peak)
+    code, err = run_main(*SMALL, *FSDP, "memory.offload_optimizer_states=true", "memory.plan_check=true",
+                         "train.steps=2", "train.seq_length=512", f"log.metrics_file={metrics}")
     assert code == 0, err[-3000:]
 
 
 def test_training_log_checks_the_plan_of_a_fully_sharded_run(tmp_path):
-    """Second step of a real run (Megatron-FSDP in its steady state, Adam's moments alive) vs the planner."""
+    """Second step of a real run (Megatron-FSDP in its steady state, Adam's moments alive and parked on the host
+    during the forward/backward, memory.offload_optimizer_states) vs the planner."""
     from tests.train_harness import read_metrics
 
     metrics = tmp_path / "metrics.jsonl"

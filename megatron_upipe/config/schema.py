@@ -440,6 +440,12 @@ class MemoryConfig:
     # sums in bf16, so each gradient element carries bf16 rounding before Adam, which still updates float32 main
     # weights). Needs bf16 training.
     fsdp_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    # The optimizer's own tensors (Adam's two moments; the fp32 main weights in bf16 training) copied to host memory
+    # when each step's forward/backward begins, their device storage freed, and copied back before the optimizer step
+    # (memory_switches/optimizer_parking.py). The same results bit for bit; they leave the device peak and cost
+    # their bytes in pinned host memory and two host copies a step, which the host check, the memory planner and
+    # the step-time model count.
+    offload_optimizer_states: bool = False
     # Log the memory planner's predicted peak beside the measured one: rank 0 runs tools/estimate_memory.py on the
     # resolved config at start-up (seconds on CPU, about a minute for an 8B model) and the run measures its second
     # step (torch.cuda.max_memory_allocated on GPU, the live-tensor tracker on CPU).

@@ -21,6 +21,12 @@ Per rank (`HostPlan.breakdown`):
                         stay cached after the save (so they count for the rest of the run). Counted as rank 0 saves
                         (it holds replica 0 of every weight): each weight of the stage in its dtype, and its fp32 main
                         copy and two moments (sharded over dp x C with the distributed optimizer), each rounded.
+  optimizer states    memory.offload_optimizer_states: one host buffer per parked storage (optimizer_parking.py),
+                      pinned, allocated at its first parking and kept: Adam's two fp32 moments and, at p < 4, the
+                      fp32 main weights of the rank's optimizer shard: (8 + 4) x P / (dp x C) with
+                      memory.shard_model_states or train.distributed_optimizer (each tensor's shard rounded up),
+                      else (8 + 4) x P (8 x P at p = 4). Megatron-FSDP's bucket padding is not counted
+                      (tests/test_optimizer_parking.py bounds it).
   margin: process     the process itself (HostMargins, stated): torch/CUDA/NCCL libraries and their host buffers, the
                       data loader.
 Per node: per rank x ranks on the node (every rank counted as pipeline stage 0, the one with the most in flight)
@@ -170,6 +176,22 @@ def checkpoint_staging_bytes(config: "Config", plan: "Plan", vocab_size: int, pa
     return pinned
 
 
+def optimizer_states_bytes(config: "Config", plan: "Plan", vocab_size: int, param_bytes: int,
+                           pp_rank: int = 0) -> int:
+    """Host bytes of the parked optimizer states on a rank (0 without memory.offload_optimizer_states); see the
+    module docstring."""
+    if not config.memory.offload_optimizer_states:
+        return 0
+    numels = stage_weight_numels(config, plan, vocab_size, pp_rank)
+    per_element = 8 + (4 if param_bytes != 4 else 0)  # two moments (+ the fp32 main weight)
+    shards = plan.dp * config.parallel.cp
+    if config.memory.shard_model_states:
+        return -(-sum(numels) // shards) * per_element
+    if config.train.distributed_optimizer:
+        return sum(-(-n // shards) for n in numels) * per_element
+    return sum(numels) * per_element
+
+
 def _pow2(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length()
 
@@ -183,10 +205,12 @@ class HostPlan:
     os_bytes: int  # per node (margin)
     host_mem_bytes: int  # capacity per node
     capacity_source: str  # where host_mem_bytes came from
+    optimizer_states_bytes: int = 0  # per rank: memory.offload_optimizer_states
 
     @property
     def per_rank_bytes(self) -> int:
-        return self.offload_pool_bytes + self.checkpoint_staging_bytes + self.process_bytes
+        return self.offload_pool_bytes + self.checkpoint_staging_bytes + self.optimizer_states_bytes + \
+            self.process_bytes
 
     @property
     def per_node_bytes(self) -> int:
@@ -199,12 +223,15 @@ class HostPlan:
     @property
     def breakdown(self) -> dict[str, int]:
         """Per rank, by name (the planner's host breakdown)."""
+        parked = {"optimizer states": self.optimizer_states_bytes} if self.optimizer_states_bytes else {}
         return {"offload pool": self.offload_pool_bytes, "checkpoint staging": self.checkpoint_staging_bytes,
-                "margin: process": self.process_bytes}
+                **parked, "margin: process": self.process_bytes}
 
     def summary(self) -> str:
         return (f"host {self.per_rank_bytes / GIB:.1f} GiB per rank (offload pool {self.offload_pool_bytes / GIB:.1f}"
-                f" + checkpoint staging {self.checkpoint_staging_bytes / GIB:.1f} + process "
+                f" + checkpoint staging {self.checkpoint_staging_bytes / GIB:.1f}"
+                + (f" + optimizer states {self.optimizer_states_bytes / GIB:.1f}" if self.optimizer_states_bytes else "")
+                + " + process "
                 f"{self.process_bytes / GIB:.1f}), {self.per_node_bytes / GIB:.1f} GiB per node of "
                 f"{self.ranks_per_node} ranks (+ os {self.os_bytes / GIB:.1f}) of {self.host_mem_bytes / GIB:.1f} "
                 f"GiB ({self.capacity_source})")
@@ -232,7 +259,8 @@ def plan_host_memory(config: "Config", plan: "Plan", vocab_size: int, *, bf16: b
     else:
         capacity, source = host_mem_bytes, capacity_source or "memory.host_mem_gib unset"
     return HostPlan(offload_pool_bytes(config, plan, width), checkpoint_staging_bytes(config, plan, vocab_size, width),
-                    margins.process_bytes(cuda), ranks_per_node, margins.os_bytes(capacity), capacity, source)
+                    margins.process_bytes(cuda), ranks_per_node, margins.os_bytes(capacity), capacity, source,
+                    optimizer_states_bytes(config, plan, vocab_size, width))
 
 
 def startup_host_plan(config: "Config", plan: "Plan", vocab_size: int, node: NodeMemory, *, bf16: bool, cuda: bool,

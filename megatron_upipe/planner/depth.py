@@ -2,7 +2,9 @@
 
 The layers of a Llama are identical, and so is what one more layer adds to rank 0's step: its parameters,
 gradients and optimizer states (device), its offloaded input (host), and nothing else at the deciding moments —
-the activation peak happens inside one layer's recomputed forward/backward, whatever the depth. So with
+the activation peak happens inside one layer's recomputed forward/backward, whatever the depth (with
+memory.offload_optimizer_states the moment the parked states come back is a second line, `states_back_bytes`,
+extrapolated on its own: the planner takes the larger of the two at the planned depth). So with
 stage depths a < b (layers per pipeline stage) simulated, a quantity q at depth L is
 q(b) + (L - b) * (q(b) - q(a)) / (b - a). Holds only from the depth at which the per-layer pattern is
 periodic: megatron-core's DDP buckets of ~40M elements (several per 8B layer) are; a sharded wrapper whose queue or
@@ -34,8 +36,10 @@ from megatron_upipe.config import Config, validate
 from megatron_upipe.planner.simulate import StepMemory, preload, simulate_step
 from megatron_upipe.planner.workers import run_all
 
-_LINEAR_INTS = ("peak_bytes", "host_peak_bytes", "model_state_bytes", "num_parameters", "attention_peak_bytes")
-_LINEAR_DICTS = ("breakdown", "attention_peak_breakdown", "work")  # work: FLOPs and bytes grow by a layer's
+_LINEAR_INTS = ("peak_bytes", "host_peak_bytes", "model_state_bytes", "num_parameters", "attention_peak_bytes",
+                "states_back_bytes")
+_LINEAR_DICTS = ("breakdown", "attention_peak_breakdown", "work",  # work: FLOPs and bytes grow by a layer's
+                 "states_back_breakdown")
 
 
 def layers_per_stage(config: Config, world_size: int) -> int:
@@ -60,7 +64,7 @@ def extrapolate(shallow: StepMemory, deeper: StepMemory, a: int, b: int, depth: 
     dicts = {}
     for k in _LINEAR_DICTS:
         da, db = getattr(shallow, k) or {}, getattr(deeper, k) or {}
-        dicts[k] = {c: line(da.get(c, 0), db.get(c, 0)) for c in {**da, **db}}
+        dicts[k] = {c: line(da.get(c, 0), db.get(c, 0)) for c in {**da, **db}} if da or db else getattr(deeper, k)
     return dataclasses.replace(deeper, **ints, **dicts)
 
 
@@ -79,7 +83,8 @@ def extrapolate_two_kinds(base: StepMemory, more_recomputed: StepMemory, more_ke
     dicts = {}
     for k in _LINEAR_DICTS:
         d0, dn, dk = (getattr(x, k) or {} for x in (base, more_recomputed, more_kept))
-        dicts[k] = {c: plane(d0.get(c, 0), dn.get(c, 0), dk.get(c, 0)) for c in {**d0, **dn, **dk}}
+        dicts[k] = {c: plane(d0.get(c, 0), dn.get(c, 0), dk.get(c, 0)) for c in {**d0, **dn, **dk}} \
+            if d0 or dn or dk else getattr(more_kept, k)
     return dataclasses.replace(more_kept, **ints, **dicts)
 
 

@@ -132,6 +132,8 @@ def estimate(source: ConfigSource, world_size: int, vocab_size: int, strategy: s
         device, named = at_attention, step.attention_peak_named
     else:
         device, named = step.peak_bytes, step.peak_named
+    if step.states_back_bytes > device:  # memory.offload_optimizer_states: the parked states back after the backward
+        breakdown, device, named = dict(step.states_back_breakdown or {}), step.states_back_bytes, ()
     named_margins = margins.named(device)
     breakdown.update(named_margins)
     total = device + sum(named_margins.values())

@@ -85,6 +85,10 @@ class StepMemory:
     # the forward/backward schedule's work, counted on the fake run (planner/step_time.py WorkCounter.totals):
     # FLOPs, collective bytes and calls; empty for a step on real tensors
     work: dict | None = None
+    # memory.offload_optimizer_states: bytes alive when the parked states are back on the device after the backward
+    # (a peak of its own, not in peak_bytes: the planner takes the larger) and what they are by category
+    states_back_bytes: int = 0
+    states_back_breakdown: dict | None = None
 
 
 def _layout(config: Config, plan):
@@ -282,6 +286,7 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
     """Build this rank's stage as the training job does and track one step (on real or fake tensors alike; under
     `fake`, the running PlannerFakeMode, the tracker is fed by it)."""
     from megatron_upipe.compat.fsdp import steady_state
+    from megatron_upipe.memory_switches.optimizer_parking import for_optimizer, parked
     from megatron_upipe.memory_switches.sharding import is_fully_sharded
 
     stage, ddp, optimizer = build_rank(config, plan, layout, pg, vocab_size, bf16=bf16, planning=planning)
@@ -294,16 +299,24 @@ def measure_step(config: Config, plan, layout, pg, vocab_size: int, *, bf16: boo
         handles = _retag_layer_inputs(stage.model, mem)
         batch = step_batch(config, plan)
         counter = WorkCounter(tp_group=pg.tp.group_name if layout.tp > 1 else None)
-        with _fake_world() if planning else nullcontext(), fake.counting(counter) if fake else nullcontext():
-            forward_backward_step(ddp, plan, batch)
+        parking = for_optimizer(ddp, stage.model, optimizer, copy=fake is None, extra=moments) \
+            if config.memory.offload_optimizer_states else None
+        with parked(parking, mem.resized):  # freed before the forward, back after the backward
+            with _fake_world() if planning else nullcontext(), fake.counting(counter) if fake else nullcontext():
+                forward_backward_step(ddp, plan, batch)
+            parked_bytes = parking.parked_bytes if parking else 0
+            peak, breakdown = mem.peak_bytes, dict(mem.peak_breakdown)  # the forward/backward's
+        back = (mem.live_bytes, {k: v for k, v in mem.live_by_category.items() if v}) if parking else (0, None)
         for h in handles:
             h.remove()
         del moments
     n_params = sum(p.numel() for p in stage.model.parameters())
     work = {**counter.totals, **_offload_work(stage)} if fake else None
-    step = StepMemory(mem.peak_bytes, dict(mem.peak_breakdown), _host_peak(stage), state_bytes, plan.seq_length,
+    if work is not None and parking is not None:  # to the host before the forward and back after the backward
+        work["bytes:optimizer_parking"] = 2 * parked_bytes
+    step = StepMemory(peak, breakdown, _host_peak(stage), state_bytes, plan.seq_length,
                       n_params, mem.attention_peak_bytes, dict(mem.attention_peak_breakdown),
-                      tuple(mem.peak_named), tuple(mem.attention_peak_named), work)
+                      tuple(mem.peak_named), tuple(mem.attention_peak_named), work, *back)
     return step
 
 

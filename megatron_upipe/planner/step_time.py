@@ -32,7 +32,9 @@ inputs' copies back to the device (`bytes:host_to_device`, from the offloader's 
 bytes / host link bandwidth, each before its layer's recompute; with `memory.offload_prefetch` they run during the
 next layer's backward and cost only what exceeds the compute. The disk tier's writes and reads
 (memory.offload_disk_layers; `bytes:disk_write`, `bytes:disk_read` from the ledger) block the training thread:
-on the critical path, bytes / disk bandwidth, prefetched or not. Not modelled: memory-bound element-wise work (norms,
+on the critical path, bytes / disk bandwidth, prefetched or not. The optimizer states parked on the host
+(memory.offload_optimizer_states; `bytes:optimizer_parking`, both directions) are copied before the forward and
+after the backward, with nothing to hide behind: on the critical path at the host link's bandwidth. Not modelled: memory-bound element-wise work (norms,
 RoPE, SwiGLU, softmax of the loss, accumulations: absorbed by the calibrated GEMM efficiency), the offload copies
 to the host (on a side stream during the forward, which waits for none of them), the optimizer step,
 kernel-efficiency loss of small per-stage calls (measured on an H200 at C = 1: 1.2% at U = 16 and 7.8% at U = 1 for
@@ -177,7 +179,7 @@ class StepTime:
     seconds: float
     tokens_per_s_per_gpu: float
     parts: dict[str, float]  # seconds: gemm, attention, all-to-all (exposed), tensor-parallel collectives, sharding
-    # collectives (exposed), p2p, offload copies back, disk tier
+    # collectives (exposed), p2p, offload copies back, disk tier, optimizer states parked
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -228,8 +230,10 @@ def predict(work: dict[str, int], hw: Hardware, tokens_per_step: int, world_size
     if offload_prefetch:
         host = max(0.0, host - gemm - attention)
     disk = (work.get("bytes:disk_write", 0) + work.get("bytes:disk_read", 0)) / hw.disk_bytes_per_s
+    parked = work.get("bytes:optimizer_parking", 0) / hw.host_bytes_per_s
     parts = {"gemm": gemm, "attention": attention, "all-to-all": a2a, "tensor-parallel collectives": tp,
-             "sharding collectives": sharding, "p2p": p2p, "offload copies back": host, "disk tier": disk}
+             "sharding collectives": sharding, "p2p": p2p, "offload copies back": host, "disk tier": disk,
+             "optimizer states parked": parked}
     seconds = sum(parts.values())
     return StepTime(seconds, tokens_per_step / seconds / world_size, parts)
 

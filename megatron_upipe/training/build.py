@@ -26,6 +26,7 @@ from megatron_upipe.config import Config, Plan
 from megatron_upipe.data.tokenizers import Tokenizer
 from megatron_upipe.memory_switches.host_budget import host_memory_refusal, offload_pool_bytes
 from megatron_upipe.memory_switches.offload import HostOffloader
+from megatron_upipe.memory_switches.optimizer_parking import ParkedStates, for_optimizer
 from megatron_upipe.models.llama import LlamaStage, build_llama, llama_transformer_config
 from megatron_upipe.models.presets import LlamaArch
 from megatron_upipe.training import checkpointing
@@ -57,6 +58,8 @@ class TrainState:
     notes: list[str] = field(default_factory=list)  # start-up lines for the log (weights loaded, RoPE changed)
     # checkpoint.overwrite=true: the old run's checkpoints in checkpoint.dir, removed after this run's first save
     superseded: list[str] = field(default_factory=list)
+    # memory.offload_optimizer_states: the optimizer's own storages, parked on the host during each forward/backward
+    parked: ParkedStates | None = None
 
     @property
     def model(self):
@@ -175,6 +178,8 @@ def build_state(config: Config, plan: Plan, groups: Groups) -> TrainState:
     data = build_run_data(config, plan, tokenizer, groups.pg, stage.plan.sequence_split, groups.device,
                           stage.plan.cp_ring, batches)
     state = TrainState(config, plan, groups, tokenizer, stage, ddp, optimizer, scheduler, data)
+    if config.memory.offload_optimizer_states:
+        state.parked = for_optimizer(ddp, stage.model, optimizer, pin=groups.device.type == "cuda")
     state.notes += [n for n in notes if n is not None]
     state.superseded = superseded_checkpoints(config)
     if state.superseded:

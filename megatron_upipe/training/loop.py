@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_upipe.config import to_yaml
+from megatron_upipe.memory_switches.optimizer_parking import parked
 from megatron_upipe.step import forward_backward, forward_step
 from megatron_upipe.training import checkpointing, memory_check
 from megatron_upipe.training.console import optional_kernels_line
@@ -56,12 +57,14 @@ def _forward_backward(state, data_iterator, forward_only: bool) -> list[dict]:
 
 def train_step(state, data_iterator, around_forward_backward=None) -> dict:
     """One optimizer step (state.step + 1); returns loss, lr, grad_norm, skipped. Raises NonFiniteError (stop).
-    `around_forward_backward`: a context manager entered around the forward/backward schedule (memory check)."""
+    `around_forward_backward`: a context manager entered around the forward/backward schedule (memory check; its
+    `on_resize`, if any, follows the storages memory.offload_optimizer_states frees and re-allocates in it)."""
     step = state.step + 1
     state.ddp.zero_grad_buffer()
     state.optimizer.zero_grad()
     state.scheduler.step(1)  # the LR of step `step`
-    with around_forward_backward or nullcontext():
+    around = around_forward_backward or nullcontext()
+    with around, parked(state.parked, getattr(around, "on_resize", None)):  # the optimizer's storages on the host
         reports = _forward_backward(state, data_iterator, forward_only=False)
     loss, _ = _global_loss(reports, state.groups.pg, state.groups.device)
     state.optimizer.prepare_grads()

@@ -52,6 +52,7 @@ class MeasuredPeak:
 
     def __init__(self, state, device: torch.device) -> None:
         self.state, self.device, self.result = state, device, {}
+        self.on_resize = None  # CPU: the tracker's, while it runs
         self._cm = self._measure()
 
     def __enter__(self):
@@ -73,6 +74,7 @@ class MeasuredPeak:
 
         mem = StorageTracker()
         with tracked_step(mem, self.state.model, self.state.ddp, self.state.optimizer):
+            self.on_resize = mem.resized  # the parked optimizer states (memory.offload_optimizer_states)
             yield self
         self.result = {"bytes": mem.peak_bytes, "kind": "tracked"}
 
