@@ -33,3 +33,31 @@ def test_one_gpu_training_with_the_memory_switches_and_plan_check(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3] and all(r["peak_mem_kind"] == "cuda_max_allocated" for r in train)
     check = [r for r in records if r["kind"] == "memory"]
     assert len(check) == 1 and abs(check[0]["rel_diff"]) < 0.01, check
+
+
+def test_parked_optimizer_states_leave_the_gpu_and_come_back_bit_for_bit():
+    """memory.offload_optimizer_states on CUDA: torch's Adam over 64 MiB of float32 parameters on the GPU; parking
+    frees its moments from torch.cuda.memory_allocated into pinned host buffers, and the steps after it equal a run
+    without parking bit for bit (the copies run on the current stream, in order with the step's kernels)."""
+    from megatron_upipe.memory_switches.optimizer_parking import ParkedStates, optimizer_own_tensors, parked
+
+    def run(park: bool) -> list[torch.Tensor]:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(1024, 4096, device="cuda", generator=gen)) for _ in range(4)]
+        opt = torch.optim.Adam(params, lr=1e-2)
+        states = ParkedStates(lambda: optimizer_own_tensors(opt, params), pin=True) if park else None
+        for step in range(3):
+            before = torch.cuda.memory_allocated()
+            with parked(states):
+                if park and step:  # Adam's moments exist from the first step on: 2 x 64 MiB parked
+                    assert states.pinned and states.parked_bytes == 2 * 4 * 1024 * 4096 * 4
+                    assert before - torch.cuda.memory_allocated() == states.parked_bytes
+                loss = sum((p * p).sum() for p in params) * (step + 1)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        return [p.detach().cpu() for p in params]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
