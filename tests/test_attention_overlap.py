@@ -1,10 +1,11 @@
 """Pipelined UPipe stages (overlap=True, memory.upipe_overlap): the same results as the serial op bit for bit, the
 collectives really in flight together, and the memory bound of one more stage of buffers.
 
-On 2 and 4 gloo ranks, for every legal U of MHA, GQA and KV-replicating head counts, float64/float32/bfloat16,
+On 2 and 4 gloo ranks, for every legal U of MHA, GQA and KV-replicating head counts, float64 (2 ranks)/float32/bfloat16,
 with and without the extras the model uses (fused input norm, output projection, QKV bias, QK-norm, bf16
 accumulation, packed documents), the pipelined op's output and every gradient equal the serial op's
-(torch.equal). Ulysses is one stage: nothing to pipeline (its op takes no overlap argument). The serial op itself is checked against float64 references in test_attention_numerics.py,
+(torch.equal). Ulysses is one stage: nothing to pipeline (its op takes no overlap argument). The serial op itself
+is checked against float64 references in test_attention_numerics.py,
 test_attention_qk_extras.py and test_attention_varlen.py; here one float64 case is also checked against a plain
 causal GQA attention written in this file.
 """
@@ -79,8 +80,10 @@ def _job(rank, world_size):
     C = world_size
     group = torch.distributed.group.WORLD
     mismatches, checked = [], 0
+    # float64 on 2 ranks only: the order of the adds is what can differ, and the 16-bit and float32 cases show it
+    dtypes = (torch.float64, torch.float32, torch.bfloat16) if C == 2 else (torch.float32, torch.bfloat16)
     for H, G in HEADS:
-        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             for vname, (names, kw) in VARIANTS.items():
                 if kw.get("grad_accum") == "input" and dtype != torch.bfloat16:
                     continue

@@ -230,7 +230,8 @@ class HostPlan:
     def summary(self) -> str:
         return (f"host {self.per_rank_bytes / GIB:.1f} GiB per rank (offload pool {self.offload_pool_bytes / GIB:.1f}"
                 f" + checkpoint staging {self.checkpoint_staging_bytes / GIB:.1f}"
-                + (f" + optimizer states {self.optimizer_states_bytes / GIB:.1f}" if self.optimizer_states_bytes else "")
+                + (f" + optimizer states {self.optimizer_states_bytes / GIB:.1f}"
+                   if self.optimizer_states_bytes else "")
                 + " + process "
                 f"{self.process_bytes / GIB:.1f}), {self.per_node_bytes / GIB:.1f} GiB per node of "
                 f"{self.ranks_per_node} ranks (+ os {self.os_bytes / GIB:.1f}) of {self.host_mem_bytes / GIB:.1f} "

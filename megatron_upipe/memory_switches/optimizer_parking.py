@@ -9,16 +9,18 @@ the forward/backward begins, frees the device storage in place (`untyped_storage
 views and the optimizer's references stay valid, only their bytes go), and at its end re-allocates the storage and
 copies the bytes back, before the gradients are clipped and the step updates. The step then runs on the device on
 the very bytes it left: the same results bit for bit. What is parked is each storage the optimizer holds that no
-model parameter and no gradient buffer shares (megatron-core DDP's fp32 main shards, Megatron-FSDP's fp32 main
-weight buffer, the optimizer state's tensors); the compute weights and gradients stay.
+compute weight and no gradient buffer shares (megatron-core DDP's fp32 main shards, Megatron-FSDP's fp32 main
+weight buffers, the optimizer state's tensors); the compute weights and gradients stay.
 
 Device: the parked bytes are absent from the forward/backward's peak and come back after it (the activations are
 freed by then), which the planner simulates the same way. Host: one buffer per storage, allocated at its first
-parking and kept (pinned in place with cudaHostRegister when a CUDA device is present, as the offload pool is), so the host holds exactly
-the parked bytes for the whole run (`host_budget.optimizer_state_bytes`). Time: every step copies the parked bytes
-to the host and back on the current stream, in order with the step's kernels (no synchronisation: the host buffers
-are only read by the copies back); the step-time model prices both directions at the host link's bandwidth, on the
-critical path. The Adam moments exist from the first optimizer step on, so the first step parks only main weights.
+parking and kept (pinned in place with cudaHostRegister when a CUDA device is present, as the offload pool is), so
+the host holds exactly the parked bytes for the whole run (`host_budget.optimizer_states_bytes`). Time: every step
+copies the parked bytes to the host and back on the current stream, in order with the step's kernels (no
+synchronisation: the host buffers are only read by the copies back; the device block freed is reused by later
+allocations of the same stream only, after the copy); the step-time model prices both directions at the host link's
+bandwidth, on the critical path. Adam's moments exist from the first optimizer step on, so the first step parks
+only the main weights.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
-
 from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_upipe.memory_switches.pinned_pool import _pin, _unpin
