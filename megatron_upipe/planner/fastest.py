@@ -284,14 +284,18 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
             floor[(U, chain)] = found.rung if found is not None else top + 1
         return found if found is not None and found.estimate.fits else None
 
-    def can_win(U, overlap, chain: str) -> bool:
-        """Whether a pipelined variant at (U, chain) can beat the fastest stack found so far: it fits at the serial
-        floor at best, and its time there is the serial candidate's work priced with its overlap (times rise rung
-        by rung)."""
-        serial = seen.get((U, False, chain, floor.get((U, chain))))
-        if serial is None or not fitting:
+    def can_win(U, overlap, chain: str, hi: int) -> bool:
+        """Whether a pipelined variant at (U, chain), searched up to rung hi, can beat the fastest stack found so
+        far: it fits at the serial floor at best, and its time there is the serial candidate's work priced with
+        its overlap (times rise rung by rung). A floor rung the serial search did not plan (it stopped at a larger
+        U's rung) is planned now: the partial-recompute rungs of a ladder share their shallow simulations, so it
+        usually costs none, where the variant would cost new ones."""
+        f = floor.get((U, chain))
+        if f is None or not fitting:
             return True
-        return p.priced_as(serial, overlap).seconds < min(c.seconds for c in fitting)
+        if f > hi:  # first_fit would search an empty range
+            return False
+        return p.priced_as(run(U, False, chain, f), overlap).seconds < min(c.seconds for c in fitting)
 
     seen[(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = p.most_frugal(chains, legal[-1], "fastest")
     fitting: list[Candidate] = []
@@ -302,13 +306,13 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
             if overlap and U == one_stage:  # one stage: nothing to pipeline
                 continue
             on_device = first_fit(U, overlap, ON_DEVICE, hi[ON_DEVICE]) \
-                if not overlap or can_win(U, overlap, ON_DEVICE) else None
+                if not overlap or can_win(U, overlap, ON_DEVICE, hi[ON_DEVICE]) else None
             # offloaded: worth planning only where it recomputes fewer layers than the on-device choice
             need = chains[ON_DEVICE][on_device.rung].recomputed if on_device is not None else None
             top = hi[OFFLOADED] if need is None else \
                 min(hi[OFFLOADED], sum(r.recomputed < need for r in chains[OFFLOADED]) - 1)
             offloaded = first_fit(U, overlap, OFFLOADED, top) \
-                if not overlap or can_win(U, overlap, OFFLOADED) else None
+                if not overlap or can_win(U, overlap, OFFLOADED, top) else None
             for name, c in ((ON_DEVICE, on_device), (OFFLOADED, offloaded)):
                 if c is not None:
                     fitting.append(c)
