@@ -249,6 +249,7 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
     chains = ladders(source, world_size)
     legal = _legal_u(p.config, world_size)
     one_stage = validate(p.config, world_size).local_heads
+    layers = chains[ON_DEVICE][-1].recomputed  # per pipeline stage (full recompute's rung recomputes them all)
     seen: dict[tuple, Candidate] = {}
 
     def run(U: int | None, overlap: bool | str, chain: str, r: int) -> Candidate:
@@ -284,18 +285,30 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
             floor[(U, chain)] = found.rung if found is not None else top + 1
         return found if found is not None and found.estimate.fits else None
 
+    def shares_simulations(U, chain: str, r: int) -> bool:
+        """Whether planning rung r serially at U costs no new simulation: a partial-recompute rung, where another
+        partial-recompute rung of the same ladder and U has been planned serially (they extrapolate from the same
+        shallow models, planner/depth.py)."""
+        def partial(i: int) -> bool:
+            return 0 < chains[chain][i].recomputed < layers
+
+        return partial(r) and any(partial(i) and (U, False, chain, i) in seen for i in range(len(chains[chain])))
+
     def can_win(U, overlap, chain: str, hi: int) -> bool:
         """Whether a pipelined variant at (U, chain), searched up to rung hi, can beat the fastest stack found so
         far: it fits at the serial floor at best, and its time there is the serial candidate's work priced with
         its overlap (times rise rung by rung). A floor rung the serial search did not plan (it stopped at a larger
-        U's rung) is planned now: the partial-recompute rungs of a ladder share their shallow simulations, so it
-        usually costs none, where the variant would cost new ones."""
+        U's rung) is planned now when that costs no new simulation; otherwise the variant is searched."""
         f = floor.get((U, chain))
         if f is None or not fitting:
             return True
         if f > hi:  # first_fit would search an empty range
             return False
-        return p.priced_as(run(U, False, chain, f), overlap).seconds < min(c.seconds for c in fitting)
+        serial = seen.get((U, False, chain, f))
+        if serial is None and not shares_simulations(U, chain, f):
+            return True
+        serial = serial or run(U, False, chain, f)
+        return p.priced_as(serial, overlap).seconds < min(c.seconds for c in fitting)
 
     seen[(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = p.most_frugal(chains, legal[-1], "fastest")
     fitting: list[Candidate] = []
