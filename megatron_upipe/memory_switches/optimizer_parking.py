@@ -34,15 +34,12 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_upipe.memory_switches.pinned_pool import _pin, _unpin
+from megatron_upipe.memory_switches.sharding import fsdp_state_tensors, is_fully_sharded, local_part
 
 log = logging.getLogger(__name__)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor (Megatron-FSDP) -> this rank's part
-
-
-def _torch_optimizers(optimizer) -> list:
+def torch_optimizers(optimizer) -> list:
     """The torch optimizers inside megatron-core's (possibly chained, possibly wrapping) optimizer."""
     return [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
@@ -57,16 +54,16 @@ def optimizer_own_tensors(optimizer, keep: Iterable[torch.Tensor], extra: Iterab
     """One whole-storage view per storage that only the optimizer holds: its parameters' local tensors (fp32 main
     weights in 16-bit training) and its state's tensors, plus `extra`, minus every storage one of `keep` (the
     compute weights and gradient buffers) lives in."""
-    shared = {_local(t).untyped_storage()._cdata for t in keep}
+    shared = {local_part(t).untyped_storage()._cdata for t in keep}
     found: dict[int, torch.Tensor] = {}
     candidates = list(extra)
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 candidates.append(p)
                 candidates += [v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim()]
     for t in candidates:
-        local = _local(t)
+        local = local_part(t)
         key = local.untyped_storage()._cdata
         if key not in shared and key not in found and local.untyped_storage().nbytes():
             found[key] = _whole(local)
@@ -83,12 +80,6 @@ class ParkedStates:
         self._host: dict[int, torch.Tensor] = {}  # storage key -> its host buffer (uint8, the storage's bytes)
         self.pinned = pin  # until a pinning fails (then every buffer is pageable and copies are synchronous)
         self._parked: list[tuple[torch.Tensor, int]] = []  # (whole-storage view, bytes) parked now
-        self.moved_bytes = 0  # bytes copied to the host and back, both directions, since construction
-
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes held for the parked storages (kept between parkings)."""
-        return sum(b.numel() for b in self._host.values())
 
     def _host_buffer(self, key: int, nbytes: int) -> torch.Tensor:
         """The host buffer of storage `key` (made at its first parking), pinned in place if it can be."""
@@ -124,12 +115,11 @@ class ParkedStates:
             if self.copy:
                 host = self._host_buffer(t.untyped_storage()._cdata, nbytes)
                 host.view(t.dtype).copy_(t, non_blocking=self.pinned)
-                self.moved_bytes += nbytes
             t.untyped_storage().resize_(0)
             self._parked.append((t, nbytes))
             if on_resize is not None:
                 on_resize(t)
-        return sum(n for _, n in self._parked)
+        return self.parked_bytes
 
     def unpark(self, on_resize: Callable[[torch.Tensor], None] | None = None) -> None:
         """Re-allocate each parked storage on the device and copy its bytes back."""
@@ -140,7 +130,6 @@ class ParkedStates:
                 on_resize(t)
             if self.copy:
                 t.copy_(self._host[t.untyped_storage()._cdata].view(t.dtype), non_blocking=self.pinned)
-                self.moved_bytes += nbytes
 
 
 def compute_tensors(wrapped, model: torch.nn.Module) -> list[torch.Tensor]:
@@ -148,8 +137,6 @@ def compute_tensors(wrapped, model: torch.nn.Module) -> list[torch.Tensor]:
     and gradient buffers; Megatron-FSDP's compute-weight shards and gradient buffers (its modules' parameters point
     at the fp32 main weight buffer until the first optimizer step, at the compute weights after it: the main weights
     are the optimizer's either way)."""
-    from megatron_upipe.memory_switches.sharding import fsdp_state_tensors, is_fully_sharded
-
     if is_fully_sharded(wrapped):
         return [t for kind, t in fsdp_state_tensors(wrapped) if kind in ("params", "main_grads")]
     buffers = [*getattr(wrapped, "buffers", []), *getattr(wrapped, "expert_parallel_buffers", [])]
@@ -160,8 +147,6 @@ def for_optimizer(wrapped, model: torch.nn.Module, optimizer, *, copy: bool = Tr
                   extra: Iterable[torch.Tensor] = ()) -> ParkedStates:
     """The ParkedStates of `optimizer` over the wrapped stage (`model` its unwrapped module): the storages are found
     again at each parking, so Adam's moments join once its first step has made them."""
-    from megatron_upipe.memory_switches.sharding import fsdp_state_tensors, is_fully_sharded
-
     keep = compute_tensors(wrapped, model)
     extra = list(extra)
     if is_fully_sharded(wrapped):  # the fp32 main weight buffers

@@ -171,7 +171,7 @@ def zero_buffer_padding(fsdp_model) -> int:
     return n
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor -> this rank's part
 
 
@@ -187,11 +187,11 @@ def optimizer_state_bytes(optimizer) -> dict[str, int]:
     inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     for group in inner.param_groups:
         for p in group["params"]:
-            out["main_params"] += _nbytes(_local(p))
+            out["main_params"] += _nbytes(local_part(p))
             state = inner.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
-                    out[key] += _nbytes(_local(state[key]))
+                    out[key] += _nbytes(local_part(state[key]))
     return out
 
 

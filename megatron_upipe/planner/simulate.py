@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from megatron_upipe.config import Config, validate
 from megatron_upipe.memory_accounting.tracker import PeakMemoryTracker
+from megatron_upipe.memory_switches.optimizer_parking import torch_optimizers
+from megatron_upipe.memory_switches.sharding import local_part
 from megatron_upipe.planner.fake_mode import PlannerFakeMode
 from megatron_upipe.planner.step_time import WorkCounter
 
@@ -476,13 +478,14 @@ def register_model_states(mem: StorageTracker, model, ddp, optimizer) -> int:
             mem.track(p, category="params")
             if getattr(p, "main_grad", None) is not None:
                 mem.track(p.main_grad, category="grads")
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
-                mem.track(_local(p), category="optimizer")  # fp32 main weights (bf16 runs) or the params themselves
+                # fp32 main weights (bf16 runs) or the params themselves
+                mem.track(local_part(p), category="optimizer")
                 for moment in inner.state.get(p, {}).values():  # Adam's moments, after the first step
                     if isinstance(moment, torch.Tensor) and moment.dim() > 0:
-                        mem.track(_local(moment), category="optimizer")
+                        mem.track(local_part(moment), category="optimizer")
     return mem.live_bytes - before
 
 
@@ -498,24 +501,15 @@ def _register_fsdp_states(mem: StorageTracker, tensors: list[tuple[str, torch.Te
         mem.track_split(t, split)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor (Megatron-FSDP) -> this rank's part
-
-
-def _torch_optimizers(optimizer) -> list:
-    """The torch optimizers inside megatron-core's (possibly chained) optimizer."""
-    return [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
 def _materialise_adam(mem: PeakMemoryTracker, optimizer) -> list[torch.Tensor]:
     """Adam's two fp32 moments per main parameter, as its first step creates them (the step itself reads a
     gradient norm with .item(), which fake tensors cannot give). The caller keeps them alive."""
     moments = []
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 for _ in range(2):
-                    t = torch.zeros_like(_local(p), dtype=torch.float32)
+                    t = torch.zeros_like(local_part(p), dtype=torch.float32)
                     mem.retag(t, "optimizer")
                     moments.append(t)
     return moments
