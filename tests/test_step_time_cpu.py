@@ -11,7 +11,10 @@ the GEMM rate, which recompute repeats only in part; the loss and the embedding)
 runs, and a model that did not count the recomputed forward would be 25-30% short.
 
 Times are the CPU time of the calling thread (one intra-op thread, the autograd engine runs CPU work there),
-minimum of three steps after a warm-up, so another process on the machine does not move them.
+minimum of five steps after a warm-up, the four cases timed in turn. Thread time alone did not shield the fit
+from other processes: on a CI run with another job on the machine the 2,048-token calibration step read ~12% slow
+and the prediction missed by 15%. Interleaved, a busy spell slows every case's step in that round, and the minimum
+over five rounds takes a quiet one.
 """
 
 from __future__ import annotations
@@ -33,28 +36,35 @@ PREDICTED = {"1024 tokens, full recompute": ["train.seq_length=1024", "memory.re
 TOLERANCE = 0.12
 
 
-def _measured_seconds(config, repeats: int = 3) -> float:
+def _measured_seconds(configs: dict, repeats: int = 5) -> dict:
+    """name -> the minimum CPU time of a step over `repeats`, the cases timed in turn (one step of each per round),
+    so that a spell of contention on the machine falls on every case alike rather than on one."""
     import torch
 
     from megatron_upipe.parallel import destroy_parallel, initialize_parallel
     from megatron_upipe.planner.simulate import _layout, build_rank, forward_backward_step, step_batch
 
-    plan = validate(config, 1)
-    layout = _layout(config, plan)
-    pg = initialize_parallel(layout, seed=config.train.seed)
+    plans = {name: validate(config, 1) for name, config in configs.items()}
+    first = next(iter(configs))
+    pg = initialize_parallel(_layout(configs[first], plans[first]), seed=configs[first].train.seed)  # one rank, cp 1
     try:
-        _, ddp, _ = build_rank(config, plan, layout, pg, VOCAB, bf16=False, planning=False)
-        batch = step_batch(config, plan)
-        torch.manual_seed(0)
-        batch["tokens"] = batch["labels"] = torch.randint(0, VOCAB, batch["tokens"].shape)
-        forward_backward_step(ddp, plan, batch)  # warm-up
-        times = []
+        steps = {}
+        for name, config in configs.items():
+            _, ddp, _ = build_rank(config, plans[name], _layout(config, plans[name]), pg, VOCAB, bf16=False,
+                                   planning=False)
+            batch = step_batch(config, plans[name])
+            torch.manual_seed(0)
+            batch["tokens"] = batch["labels"] = torch.randint(0, VOCAB, batch["tokens"].shape)
+            forward_backward_step(ddp, plans[name], batch)  # warm-up
+            steps[name] = (ddp, plans[name], batch)
+        times = {name: [] for name in configs}
         for _ in range(repeats):
-            ddp.zero_grad_buffer()
-            t0 = time.thread_time()
-            forward_backward_step(ddp, plan, batch)
-            times.append(time.thread_time() - t0)
-        return min(times)
+            for name, (ddp, plan, batch) in steps.items():
+                ddp.zero_grad_buffer()
+                t0 = time.thread_time()
+                forward_backward_step(ddp, plan, batch)
+                times[name].append(time.thread_time() - t0)
+        return {name: min(t) for name, t in times.items()}
     finally:
         destroy_parallel()
 
@@ -65,7 +75,7 @@ def _measure_and_count(rank, world_size):
     from megatron_upipe.planner.simulate import simulate_step
 
     cases = {**CALIBRATION, **PREDICTED}
-    measured = {name: _measured_seconds(load_config(None, BASE + over)) for name, over in cases.items()}
+    measured = _measured_seconds({name: load_config(None, BASE + over) for name, over in cases.items()})
     dist.destroy_process_group()  # the planner makes its own fake one
     counted = {name: simulate_step(load_config(None, BASE + over), 1, VOCAB).work for name, over in cases.items()}
     return measured, counted
