@@ -85,7 +85,8 @@ def searched():
 
 def test_ladder_premise_memory_falls_and_time_rises_rung_by_rung(searched):
     """On each ladder memory falls and time rises rung by rung; pipelined stages never plan less than serial ones at
-    the same U and rung (the search starts them at the serial floor)."""
+    the same U and rung (the search starts them at the serial floor), and the smallest U serially plans no more
+    than any stack at the same rung (where it does not fit, the search plans no other U)."""
     brute, _, sizes, same_work = searched
     for U, overlap, chain in {(U, o, c) for U, o, c, _ in brute}:
         peaks = [brute[(U, overlap, chain, r)][0] for r in range(sizes[chain])]
@@ -97,6 +98,8 @@ def test_ladder_premise_memory_falls_and_time_rises_rung_by_rung(searched):
             assert peak >= brute[(U, False, chain, r)][0], (U, chain, r)
         if overlap == "outputs":  # drained outputs hold less than pipelined stages
             assert peak <= brute[(U, True, chain, r)][0], (U, chain, r)
+    for (U, overlap, chain, r), (peak, _, _) in brute.items():  # the smallest U holds the least at every rung
+        assert brute[(2, False, chain, r)][0] <= peak, (U, overlap, chain, r)
     # every variant does the same work (the search prices a variant from the serial candidate's work)
     assert same_work
 
@@ -131,10 +134,11 @@ def test_nothing_fits_refuses_in_one_line(searched):
 
 
 def test_cli_writes_the_json(tmp_path):
-    """(The chosen overrides train on CPU in tests/test_auto_stack.py: memory.auto=fastest applies them.)"""
+    """(The chosen overrides train on CPU in tests/test_auto_stack.py: memory.auto=fastest applies them.) At 0.025 GiB
+    the search plans the fewest stacks of the test's capacities (9: the on-device ladder is ruled out at once)."""
     out = tmp_path / "fastest.json"
     proc = subprocess.run([sys.executable, "tools/estimate_memory.py", "--config", CONFIG, "--world-size", "2",
-                           "--fastest", "--seq-length", str(SEQ), "--gpu", "0.035", "--speed", "h100-80gb",
+                           "--fastest", "--seq-length", str(SEQ), "--gpu", "0.025", "--speed", "h100-80gb",
                            *NO_MARGINS, "--json", str(out), *SHAPE], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

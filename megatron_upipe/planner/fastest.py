@@ -25,10 +25,15 @@ memory; it is searched only below the N the on-device ladder needed. The most fr
 ladder's last rung at the smallest U, serial) is planned first: if it does not fit, nothing does. Across U: a
 smaller U plans less attention memory; with serial stages it is never faster at the same rung
 (tests/test_step_time.py), so after U fits at rung r a smaller U is tried only below r; with pipelined stages at r
-or below. Pipelined stages hold one more stage's buffers than serial ones (drained outputs one stage's result), so
+or below. The smallest U holds the least at every rung: where a rung does not fit at a larger U serially, it is
+planned at the smallest U too, and if it does not fit there, neither it nor any rung below it is planned at another
+U or overlap. Where the most frugal stack's peak and the layer inputs it offloads exceed the device (long contexts),
+the on-device ladder's last rung (full recompute, inputs kept) is planned at the smallest U before anything else: if
+it does not fit, that ladder is not searched. Pipelined stages hold one more stage's buffers than serial ones (drained outputs one stage's result), so
 at a U and ladder they are tried only from the lowest rung whose device peak fits serially, and only if they can
 win: every variant does the same work, so a variant's time at that rung is the serial candidate's counted work
-priced with its overlap, and if that is no faster than the fastest stack found so far, no rung of it is. Every
+priced with its overlap (or another variant's planned at that U and rung), and if that is no faster than the
+fastest stack found so far, no rung of it is. Every
 candidate tried is a full planner estimate (device and host, with the margins given), priced by the step-time model;
 the fastest that fits wins (ties: on the device, the lower rung, then the larger U). Simulations are shared across
 the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one ladder, U and
@@ -42,7 +47,9 @@ step-time model prices TP's collectives and the ring's P2P passes on the critica
 search's simulations, so by default only the config's own layout is searched.
 
 Not searched: pipeline parallel sizes (pipeline bubbles are not priced), memory.ring_overlap, other partial depths
-than the quarters, and `memory.attention_grad_accum`, which changes the numerics. They stay as the config has them.
+than the quarters, memory.offload_optimizer_states and the disk tier, Megatron-FSDP's unit size (no term of the
+step-time model depends on it) and `memory.attention_grad_accum`, which changes the numerics. They stay as the
+config has them.
 """
 
 from __future__ import annotations
@@ -265,22 +272,40 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
         return seen[key]
 
     floor: dict[tuple, int] = {}  # (U, ladder) -> the lowest rung whose device peak can fit with serial stages
+    smallest = legal[-1]
+    out_everywhere = {name: -1 for name in chains}  # ladder -> the highest rung the smallest U does not fit serially
+
+    def fits_device(c: Candidate) -> bool:
+        return c.estimate.peak_bytes <= gpu_mem_bytes
+
+    def out_at_every_u(chain: str, r: int) -> bool:
+        """Whether rung r of `chain` does not fit at the smallest U serially (planned now if it was not), and so at
+        no U and no overlap; then it and the rungs below it are marked out."""
+        if fits_device(run(smallest, False, chain, r)):
+            return False
+        out_everywhere[chain] = max(out_everywhere[chain], r)
+        return True
 
     def first_fit(U, overlap, chain: str, hi: int) -> Candidate | None:
         """The lowest rung of `chain` in [0, hi] whose device peak fits (bisection: the peak falls rung by rung), if
         it also fits the host. Pipelined stages hold one more stage's buffers than serial ones at the same U and rung,
         so they start at the serial floor. Below the ladder's top (hi capped by a larger U's choice) rung hi is
         planned first: the rung a larger U needed is usually just too much for a smaller one, and if hi does not fit,
-        no rung below it does."""
-        lo, top, found = floor.get((U, chain), 0) if overlap else 0, hi, None
+        no rung below it does. A rung that does not fit at a larger U serially is planned at the smallest U too: the
+        smallest U holds the least at every rung, so if it does not fit there, that rung and those below it fit at
+        no U and no overlap, and the U between are not planned there."""
+        lo, top, found = max(floor.get((U, chain), 0) if overlap else 0, out_everywhere[chain] + 1), hi, None
         top_first = hi < len(chains[chain]) - 1
+        probe = not overlap and U != smallest
         while lo <= hi:
             mid, top_first = hi if top_first else (lo + hi) // 2, False
             c = run(U, overlap, chain, mid)
-            if c.estimate.peak_bytes <= gpu_mem_bytes:
+            if fits_device(c):
                 found, hi = c, mid - 1
-            else:
-                lo = mid + 1
+                continue
+            if probe:
+                out_at_every_u(chain, mid)
+            lo = max(mid, out_everywhere[chain]) + 1
         if not overlap:
             floor[(U, chain)] = found.rung if found is not None else top + 1
         return found if found is not None and found.estimate.fits else None
@@ -297,20 +322,26 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
     def can_win(U, overlap, chain: str, hi: int) -> bool:
         """Whether a pipelined variant at (U, chain), searched up to rung hi, can beat the fastest stack found so
         far: it fits at the serial floor at best, and its time there is the serial candidate's work priced with
-        its overlap (times rise rung by rung). A floor rung the serial search did not plan (it stopped at a larger
-        U's rung) is planned now when that costs no new simulation; otherwise the variant is searched."""
+        its overlap (times rise rung by rung). The work is that of any variant planned at that U and rung; where
+        none is (the serial search stopped at a larger U's rung), the serial floor rung is planned now when that
+        costs no new simulation; otherwise the variant is searched."""
         f = floor.get((U, chain))
         if f is None or not fitting:
             return True
         if f > hi:  # first_fit would search an empty range
             return False
-        serial = seen.get((U, False, chain, f))
-        if serial is None and not shares_simulations(U, chain, f):
+        same_work = next((seen[k] for k in ((U, o, chain, f) for o in (False, True, "outputs")) if k in seen), None)
+        if same_work is None and not shares_simulations(U, chain, f):
             return True
-        serial = serial or run(U, False, chain, f)
-        return p.priced_as(serial, overlap).seconds < min(c.seconds for c in fitting)
+        same_work = same_work or run(U, False, chain, f)
+        return p.priced_as(same_work, overlap).seconds < min(c.seconds for c in fitting)
 
-    seen[(legal[-1], False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = p.most_frugal(chains, legal[-1], "fastest")
+    frugal = seen[(smallest, False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = \
+        p.most_frugal(chains, smallest, "fastest")
+    if frugal.estimate.peak_bytes + frugal.estimate.host_breakdown.get("offload pool", 0) > gpu_mem_bytes:
+        # the inputs it offloads would not fit beside it: full recompute on the device (the on-device ladder's
+        # least) is planned at the smallest U first, and if it does not fit, no rung of that ladder is planned
+        out_at_every_u(ON_DEVICE, len(chains[ON_DEVICE]) - 1)
     fitting: list[Candidate] = []
     serial_only = legal == [None] or p.config.parallel.cp_ring > 1  # the ring's stages run serially
     for overlap in ((False,) if serial_only else (False, True, "outputs")):
