@@ -369,15 +369,18 @@ def simulate_step(config: Config, world_size: int, vocab_size: int, named_bytes:
 
 
 def _freeze_long_lived() -> None:
-    """Once per process (and before workers fork: `preload`), move the objects alive now (torch's, megatron-core's,
-    the imports') to the garbage collector's permanent generation (gc.freeze): Megatron-FSDP calls gc.collect() each
-    time it builds its buffers, and every full collection would walk them again (a quarter of a tiny model's
-    simulation). Objects frozen are never collected; only those alive at the first simulation are."""
+    """At each simulation's start (and before workers fork: `preload`): collect, then move every object still alive
+    (torch's, megatron-core's, the imports', the caller's and FakeTensorMode's caches from earlier simulations) to the
+    garbage collector's permanent generation (gc.freeze). Megatron-FSDP calls gc.collect() each time it builds its
+    buffers, and every full collection, its own and the automatic ones, would walk them again. Nine tiny-model
+    estimates in one process took 14.8 s of CPU unfrozen and 11.8 s so, at the same peak RSS. (The check this
+    replaced, freeze once while nothing is frozen, never froze: this Python 3.12 starts with 375 objects frozen.)
+    The cycle collector never frees a frozen object (its reference count still does); only what is alive after a
+    collection is frozen."""
     import gc
 
-    if gc.get_freeze_count() == 0:
-        gc.collect()
-        gc.freeze()
+    gc.collect()
+    gc.freeze()
 
 
 @contextmanager
