@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_module
+import random
 import signal
 import socket
 import time
@@ -34,9 +35,22 @@ from torch.distributed import TCPStore
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now, in 20000-28999: below the kernel's ephemeral range (32768-60999 by default), so no
+    other process gets it by bind(0) or as an outgoing connection's port before the launcher binds it (a port taken
+    with bind(0) did get taken so in a CI run, and a torchrun rendezvous failed), and away from the fixed ports some
+    tests use (23456, 295xx)."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, 29000)
+        if port == 23456:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-28999")
 
 
 def _worker(fn, rank, world_size, port, args, queue, here):

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,12 @@ from pathlib import Path
 import pytest
 
 from megatron_upipe.config import load_config
+from tests.dist_helper import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "slurm" / "llama3_8b_upipe_8xh100.sbatch"
 JOB_TIMEOUT_S = 240
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec_per_gpu", "peak_mem_bytes"}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def logs_of(directory: Path) -> str:
