@@ -29,11 +29,11 @@ or below. The smallest U holds the least at every rung: where a rung does not fi
 planned at the smallest U too, and if it does not fit there, neither it nor any rung below it is planned at another
 U or overlap. Where the most frugal stack's peak and the layer inputs it offloads exceed the device (long contexts),
 the on-device ladder's last rung (full recompute, inputs kept) is planned at the smallest U before anything else: if
-it does not fit, that ladder is not searched. Pipelined stages hold one more stage's buffers than serial ones (drained outputs one stage's result), so
-at a U and ladder they are tried only from the lowest rung whose device peak fits serially, and only if they can
-win: every variant does the same work, so a variant's time at that rung is the serial candidate's counted work
-priced with its overlap (or another variant's planned at that U and rung), and if that is no faster than the
-fastest stack found so far, no rung of it is. Every
+it does not fit, that ladder is not searched. Pipelined stages hold one more stage's buffers than serial ones
+(drained outputs one stage's result), so at a U and ladder they are tried only from the lowest rung whose device
+peak fits serially, and only if they can win: every variant does the same work, so a variant's time at that rung is
+the serial candidate's counted work priced with its overlap (or another variant's planned at that U and rung), and
+if that is no faster than the fastest stack found so far, no rung of it is. Every
 candidate tried is a full planner estimate (device and host, with the margins given), priced by the step-time model;
 the fastest that fits wins (ties: on the device, the lower rung, then the larger U). Simulations are shared across
 the candidates of one search (planner/depth.py `simulations`): the partial-recompute rungs of one ladder, U and
