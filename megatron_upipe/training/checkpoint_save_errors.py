@@ -14,8 +14,9 @@ import torch
 from torch.distributed.checkpoint import CheckpointException  # dist_checkpointing's, on every rank, when a rank failed
 
 from megatron_upipe.checkpoint import sources
+from megatron_upipe.memory_switches.sharding import local_part
 from megatron_upipe.training.checkpoint_compat import FORMAT_FSDP
-from megatron_upipe.training.fsdp_checkpoint import _local, _optimizers
+from megatron_upipe.training.fsdp_checkpoint import _optimizers
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -95,7 +96,7 @@ def _state_bytes(state, fmt: str) -> int:
     def add(tensors) -> None:
         for t in tensors:
             if torch.is_tensor(t):
-                t = _local(t)
+                t = local_part(t)
                 sizes[(t.data_ptr(), t.numel(), t.dtype)] = t.numel() * t.element_size()
 
     sharded = fmt == FORMAT_FSDP

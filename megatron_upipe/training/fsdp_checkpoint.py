@@ -10,18 +10,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_upipe.checkpoint.sources import CheckpointError
+from megatron_upipe.memory_switches.sharding import local_part, zero_buffer_padding
 from megatron_upipe.training.agree import largest_on_any_rank
 from megatron_upipe.training.checkpoint_compat import FORMAT_FSDP
 from megatron_upipe.training.checkpoint_files import load_own_file
 
 FSDP_DIR = "fsdp"
 _FSDP_BUFFERS = ("model_weight_buffer", "main_weight_buffer", "transpose_weight_buffer")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _portable(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +70,7 @@ def _fsdp_rank_state(state) -> dict:
                 if inner.state.get(p):
                     adam[name] = {
                         k: ((("dtensor" if isinstance(v, DTensor) else "cpu" if v.device.type == "cpu" else
-                              "device"), _portable(_local(v))) if torch.is_tensor(v) else ("value", v))
+                              "device"), _portable(local_part(v))) if torch.is_tensor(v) else ("value", v))
                         for k, v in inner.state[p].items()}
         scaler = getattr(opt, "grad_scaler", None)
         optimizers.append({"param_groups": groups, "state": adam,
@@ -140,12 +135,12 @@ def _fsdp_plan_load(state, saved: dict) -> tuple[list, list[str]]:
             for key, (kind, value) in entries.items():
                 if kind == "dtensor":
                     t = torch.zeros_like(p)  # a DTensor laid out like the parameter, as Adam makes its moments
-                    if match(f"Adam {key} of {name}", _local(t), value):
+                    if match(f"Adam {key} of {name}", local_part(t), value):
                         new[key] = (t, value)
                 elif kind == "value":
                     new[key] = (None, value)
                 else:
-                    new[key] = (None, value.to(_local(p).device) if kind == "device" else value.clone())
+                    new[key] = (None, value.to(local_part(p).device) if kind == "device" else value.clone())
             actions.append(("adam", inner, p, new))
         actions.append(("scaler", opt, s["grad_scaler"]))
     return actions, problems
@@ -196,14 +191,12 @@ def _load_fsdp(state, ckpt: Path) -> None:
             st = {}
             for key, (t, value) in new.items():
                 if t is not None:
-                    _local(t).copy_(value)
+                    local_part(t).copy_(value)
                     value = t
                 st[key] = value
             inner.state[p] = st
         elif action[0] == "scaler" and action[2] is not None:
             action[1].grad_scaler.load_state_dict(action[2])
-    from megatron_upipe.memory_switches.sharding import zero_buffer_padding
-
     zero_buffer_padding(state.ddp)  # a checkpoint saved before the padding was zeroed holds allocator leftovers there
     # A parameter bucket still gathered from the old weights would be used as is by the next forward: release it.
     pipeline = getattr(getattr(state.ddp, "module", None), "all_gather_pipeline", None)
