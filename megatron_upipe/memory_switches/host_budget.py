@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 # this) then comes off it in the plan.
 PLANNER_HOST_GIB = 2010.0
 PLANNER_RANKS_PER_NODE = 8  # GPUs per node the planner assumes (DGX/HGX H100, H200, B200)
+OFFLOAD_POOL = "offload pool"  # the host breakdown's entry for the offloaded layer inputs (read by planner/fastest.py)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ class HostPlan:
     def breakdown(self) -> dict[str, int]:
         """Per rank, by name (the planner's host breakdown)."""
         parked = {"optimizer states": self.optimizer_states_bytes} if self.optimizer_states_bytes else {}
-        return {"offload pool": self.offload_pool_bytes, "checkpoint staging": self.checkpoint_staging_bytes,
+        return {OFFLOAD_POOL: self.offload_pool_bytes, "checkpoint staging": self.checkpoint_staging_bytes,
                 **parked, "margin: process": self.process_bytes}
 
     def summary(self) -> str:

@@ -60,6 +60,7 @@ from functools import cached_property
 
 from megatron_upipe.attention import legal_heads_per_stage
 from megatron_upipe.config import ConfigError, validate
+from megatron_upipe.memory_switches.host_budget import OFFLOAD_POOL
 from megatron_upipe.planner.estimate import GIB, ConfigSource, Estimate, estimate, overlap_pricing, step_time
 from megatron_upipe.planner.step_time import Hardware, StepTime, causal_pairs
 
@@ -338,7 +339,7 @@ def search_fastest(source: ConfigSource, world_size: int, vocab_size: int, seq_l
 
     frugal = seen[(smallest, False, OFFLOADED, len(chains[OFFLOADED]) - 1)] = \
         p.most_frugal(chains, smallest, "fastest")
-    if frugal.estimate.peak_bytes + frugal.estimate.host_breakdown.get("offload pool", 0) > gpu_mem_bytes:
+    if frugal.estimate.peak_bytes + frugal.estimate.host_breakdown.get(OFFLOAD_POOL, 0) > gpu_mem_bytes:
         # the inputs it offloads would not fit beside it: full recompute on the device (the on-device ladder's
         # least) is planned at the smallest U first, and if it does not fit, no rung of that ladder is planned
         out_at_every_u(ON_DEVICE, len(chains[ON_DEVICE]) - 1)
